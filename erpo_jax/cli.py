@@ -1,0 +1,105 @@
+"""Command line: erpo-jax train | eval | weights | sample | export | bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from erpo_jax.errors import UserError
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--config", "-c", default=DEFAULT_CONFIG,
+                 help="YAML config file, or a name in configs/ (default: %(default)s)")
+  p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                 help="config overrides, e.g. erpo.weights=dynamic train.steps=10")
+  p.add_argument("--coordinator", default=None,
+                 help="multi-host: coordinator address host:port (also from SLURM or TPU metadata)")
+  p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
+  p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="erpo-jax", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("train", help="train with ERPO or GRPO; resumes an existing run folder")
+  _add_common(p)
+
+  p = sub.add_parser("eval", help="temperature sweep: Avg@k, Pass@k, Pass@1")
+  _add_common(p)
+  p.add_argument("--checkpoint", default=None,
+                 help="a checkpoint step folder, 'latest' (of run.dir), or omit for the untrained model")
+  p.add_argument("--out", default=None, help="JSON results file (default: <run.dir>/eval/...json)")
+
+  p = sub.add_parser("weights", help="compute the static question weights and reference prompt cache")
+  _add_common(p)
+
+  p = sub.add_parser("sample", help="generate a completion for one prompt")
+  _add_common(p)
+  p.add_argument("--prompt", required=True, help="user message; wrapped in the chat template")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--num", type=int, default=1, help="number of samples")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--checkpoint", default=None, help="a checkpoint folder or 'latest' of run.dir")
+
+  p = sub.add_parser("export", help="write params as a Hugging Face folder (config.json, safetensors, tokenizer)")
+  _add_common(p)
+  p.add_argument("--checkpoint", default=None, help="a checkpoint folder or 'latest' of run.dir")
+  p.add_argument("--out", required=True, help="output folder")
+
+  p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
+  p.add_argument("what", nargs="?", default="all", choices=["step", "rollout", "rl", "all"])
+  _add_common(p)
+  p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported)")
+  p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
+  return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+  from erpo_jax import distributed
+  from erpo_jax.config import load_config
+
+  distributed.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  cfg = load_config(args.config, args.overrides)
+  if args.command == "train":
+    from erpo_jax.trainer import train
+    train(cfg)
+  elif args.command == "eval":
+    from erpo_jax.evaluate import run_eval
+    run_eval(cfg, checkpoint=args.checkpoint, out=args.out)
+  elif args.command == "weights":
+    from erpo_jax.data.static_weights import run_weights
+    run_weights(cfg)
+  elif args.command == "sample":
+    from erpo_jax.sample import run_sample
+    run_sample(cfg, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+               num=args.num, seed=args.seed, checkpoint=args.checkpoint)
+  elif args.command == "export":
+    from erpo_jax.model.export import run_export
+    run_export(cfg, checkpoint=args.checkpoint, out=args.out)
+  elif args.command == "bench":
+    from erpo_jax.bench import run_bench
+    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return _dispatch(args)
+  except UserError as e:
+    print(f"erpo-jax {args.command}: error: {e}", file=sys.stderr)
+    return e.exit_code
+  except KeyboardInterrupt:
+    print(f"erpo-jax {args.command}: interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,34 @@
+"""User-facing errors: one line, exit code 2, no traceback."""
+
+
+class UserError(Exception):
+  """A mistake in the user's input (config, data, paths).
+
+  The CLI prints `error: <message>` on one line and exits with code 2.
+  The message names the field, file and line where known, and what was
+  expected.
+  """
+
+  exit_code = 2
+
+
+class ConfigError(UserError):
+  """A bad config key or value."""
+
+
+class DataError(UserError):
+  """A malformed data row or data file."""
+
+
+class PathError(UserError):
+  """A missing or unusable file or folder."""
+
+
+class NonFiniteError(Exception):
+  """The loss or gradients became NaN/Inf; carries the step number."""
+
+  exit_code = 3
+
+  def __init__(self, step: int, what: str = "loss"):
+    super().__init__(f"non-finite {what} at step {step}; no checkpoint was written from this state")
+    self.step = step

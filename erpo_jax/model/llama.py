@@ -1,0 +1,309 @@
+"""Flax NNX Llama-family decoder with layer-stacked weights, chunked log-probs and a KV cache.
+
+Dimension letters: N rows (sequences), S sequence length, T cache length,
+D hidden, H query heads, K key/value heads, Dh head dim, F MLP width, V vocab,
+L layers, C tokens per lm-head chunk.
+
+Weights of all layers are stacked on a leading L axis and applied with one
+`lax.scan`, so a 30-layer model compiles as fast as a 1-layer one. Every
+parameter carries logical axis names (`axes` metadata) that
+`erpo_jax.parallel` maps onto a device mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from erpo_jax.model.config import ModelConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def as_dtype(name_or_dtype) -> jnp.dtype:
+  if isinstance(name_or_dtype, str):
+    return _DTYPES[name_or_dtype]
+  return jnp.dtype(name_or_dtype)
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer: [L, N, T, K, Dh] each."""
+
+  k: jax.Array
+  v: jax.Array
+
+
+class Transformer(nnx.Module):
+  """Decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32",
+               remat: bool = False):
+    self.cfg = cfg
+    self.dtype = as_dtype(dtype)
+    self.remat = remat
+    pd = as_dtype(param_dtype)
+    L, D, H, K, Dh, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size, cfg.vocab_size)
+
+    def normal(shape, fan_in, axes):
+      w = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+      return nnx.Param(w.astype(pd), axes=axes)
+
+    def ones(shape, axes):
+      return nnx.Param(jnp.ones(shape, pd), axes=axes)
+
+    def zeros(shape, axes):
+      return nnx.Param(jnp.zeros(shape, pd), axes=axes)
+
+    self.embed = normal((V, D), 1.0, ("vocab", "embed"))
+    self.wq = normal((L, D, H, Dh), D, ("layers", "embed", "heads", "head_dim"))
+    self.wk = normal((L, D, K, Dh), D, ("layers", "embed", "kv_heads", "head_dim"))
+    self.wv = normal((L, D, K, Dh), D, ("layers", "embed", "kv_heads", "head_dim"))
+    self.wo = normal((L, H, Dh, D), H * Dh, ("layers", "heads", "head_dim", "embed"))
+    if cfg.attention_bias:
+      self.bq = zeros((L, H, Dh), ("layers", "heads", "head_dim"))
+      self.bk = zeros((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+      self.bv = zeros((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+    self.w_gate = normal((L, D, F), D, ("layers", "embed", "mlp"))
+    self.w_up = normal((L, D, F), D, ("layers", "embed", "mlp"))
+    self.w_down = normal((L, F, D), F, ("layers", "mlp", "embed"))
+    self.attn_norm = ones((L, D), ("layers", "norm"))
+    self.mlp_norm = ones((L, D), ("layers", "norm"))
+    self.final_norm = ones((D,), ("norm",))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = normal((D, V), D, ("embed", "vocab"))
+
+  # ------------------------------------------------------------------ pieces
+
+  def _layer_params(self) -> dict:
+    names = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm"]
+    if self.cfg.attention_bias:
+      names += ["bq", "bk", "bv"]
+    return {n: getattr(self, n)[...] for n in names}
+
+  def unembed_matrix(self) -> jax.Array:
+    """[D, V] in the compute dtype."""
+    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+    return w.astype(self.dtype)
+
+  def embed_tokens(self, tokens_NxS: jax.Array) -> jax.Array:
+    return jnp.take(self.embed[...], tokens_NxS, axis=0).astype(self.dtype)
+
+  def final_hidden(self, h_NxSxD: jax.Array) -> jax.Array:
+    return rms_norm(h_NxSxD, self.final_norm[...], self.cfg.rms_norm_eps)
+
+  # ------------------------------------------------------------------ forward
+
+  def hidden(self, tokens_NxS: jax.Array, positions_NxS: jax.Array | None = None,
+             key_mask_NxS: jax.Array | None = None) -> jax.Array:
+    """Final-normed hidden states [N, S, D] under a causal mask (no cache).
+
+    Right padding needs no mask: a padded key is never before a valid query.
+    `key_mask_NxS` (True = attend) is for layouts with holes.
+    """
+    N, S = tokens_NxS.shape
+    if positions_NxS is None:
+      positions_NxS = jnp.broadcast_to(jnp.arange(S), (N, S))
+    h = self.embed_tokens(tokens_NxS)
+    causal = jnp.tril(jnp.ones((S, S), bool))[None]  # [1, S, S]
+    mask_NxSxS = causal if key_mask_NxS is None else causal & key_mask_NxS[:, None, :]
+    cos, sin = rope_tables(positions_NxS, self.cfg)
+
+    def layer(h, p):
+      q, k, v = self._qkv(h, p, cos, sin)
+      o = attention(q, k, v, mask_NxSxS)
+      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
+      return h + self._mlp(h, p), None
+
+    if self.remat:
+      layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    h, _ = jax.lax.scan(layer, h, self._layer_params())
+    return self.final_hidden(h)
+
+  def _qkv(self, h, p, cos, sin):
+    x = rms_norm(h, p["attn_norm"], self.cfg.rms_norm_eps)
+    dt = self.dtype
+    q = jnp.einsum("nsd,dhk->nshk", x, p["wq"].astype(dt))
+    k = jnp.einsum("nsd,dhk->nshk", x, p["wk"].astype(dt))
+    v = jnp.einsum("nsd,dhk->nshk", x, p["wv"].astype(dt))
+    if self.cfg.attention_bias:
+      q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def _mlp(self, h, p):
+    x = rms_norm(h, p["mlp_norm"], self.cfg.rms_norm_eps)
+    dt = self.dtype
+    g = jnp.einsum("nsd,df->nsf", x, p["w_gate"].astype(dt))
+    u = jnp.einsum("nsd,df->nsf", x, p["w_up"].astype(dt))
+    return jnp.einsum("nsf,fd->nsd", jax.nn.silu(g) * u, p["w_down"].astype(dt))
+
+  def logits(self, h_NxSxD: jax.Array) -> jax.Array:
+    """Float32 logits [N, S, V]; only for small S (decode, tests)."""
+    return jnp.einsum("nsd,dv->nsv", h_NxSxD, self.unembed_matrix(), preferred_element_type=jnp.float32)
+
+  # ------------------------------------------------------------------ KV cache
+
+  def init_cache(self, batch: int, length: int) -> KVCache:
+    c = self.cfg
+    shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+    return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+  def prefill(self, tokens_NxP: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Runs right-padded prompts, writes cache positions [0, P); returns hidden [N, P, D]."""
+    N, P = tokens_NxP.shape
+    positions = jnp.broadcast_to(jnp.arange(P), (N, P))
+    h = self.embed_tokens(tokens_NxP)
+    causal = jnp.tril(jnp.ones((P, P), bool))[None]
+    cos, sin = rope_tables(positions, self.cfg)
+
+    def layer(h, xs):
+      p, ck, cv = xs
+      q, k, v = self._qkv(h, p, cos, sin)
+      o = attention(q, k, v, causal)
+      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
+      ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0))
+      cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0))
+      return h + self._mlp(h, p), (ck, cv)
+
+    h, (ck, cv) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+    return self.final_hidden(h), KVCache(ck, cv)
+
+  def decode(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One token per row at its own position; writes the cache there; returns hidden [N, D].
+
+    Row i attends to cache slots [0, positions_N[i]].
+    """
+    T = cache.k.shape[2]
+    h = self.embed_tokens(tokens_N[:, None])  # [N, 1, D]
+    cos, sin = rope_tables(positions_N[:, None], self.cfg)
+    mask_Nx1xT = (jnp.arange(T)[None, :] <= positions_N[:, None])[:, None, :]
+    write = jax.vmap(lambda c, x, t: jax.lax.dynamic_update_slice(c, x, (t, 0, 0)))
+
+    def layer(h, xs):
+      p, ck, cv = xs
+      q, k, v = self._qkv(h, p, cos, sin)
+      ck = write(ck, k.astype(ck.dtype), positions_N)
+      cv = write(cv, v.astype(cv.dtype), positions_N)
+      o = attention(q, ck.astype(self.dtype), cv.astype(self.dtype), mask_Nx1xT)
+      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
+      return h + self._mlp(h, p), (ck, cv)
+
+    h, (ck, cv) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+    return self.final_hidden(h)[:, 0], KVCache(ck, cv)
+
+
+# ---------------------------------------------------------------------- functions
+
+
+def rms_norm(x, w, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies [Dh/2], with Llama-3 scaling when configured."""
+  dh = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+      s.high_freq_factor - s.low_freq_factor)
+  scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+  mid = (1 - smooth) * inv / s.factor + smooth * inv
+  is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(is_mid, mid, scaled)
+
+
+def rope_tables(positions_NxS: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [N, S, 1, Dh] in float32 (half-split layout, as in Hugging Face)."""
+  ang = positions_NxS.astype(jnp.float32)[..., None] * rope_frequencies(cfg)
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+  return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x_NxSxHxDh, cos, sin):
+  x = x_NxSxHxDh.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return (x * cos + rotated * sin).astype(x_NxSxHxDh.dtype)
+
+
+def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
+  """Grouped-query softmax attention; scores and softmax in float32."""
+  N, S, H, Dh = q_NxSxHxDh.shape
+  K = k_NxTxKxDh.shape[2]
+  q = q_NxSxHxDh.reshape(N, S, K, H // K, Dh)
+  scores = jnp.einsum("nskgd,ntkd->nkgst", q, k_NxTxKxDh, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(Dh)
+  scores = jnp.where(mask_NxSxT[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_NxTxKxDh.dtype)
+  o = jnp.einsum("nkgst,ntkd->nskgd", probs, v_NxTxKxDh)
+  return o.reshape(N, S, H, Dh)
+
+
+def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *, chunk: int,
+                    temperature: float = 1.0, with_entropy: bool = False):
+  """log softmax(h W / T)[target] for M tokens, C at a time; never holds [M, V].
+
+  Each chunk is rematerialised in the backward pass, so the gradient needs only
+  [C, V] of scratch memory too. Returns (logp_M, entropy_M or None), float32.
+  """
+  M, D = h_MxD.shape
+  C = min(chunk, M)
+  n = -(-M // C)
+  pad = n * C - M
+  h = jnp.pad(h_MxD, ((0, pad), (0, 0))).reshape(n, C, D)
+  t = jnp.pad(targets_M, (0, pad)).reshape(n, C)
+
+  @jax.checkpoint
+  def one(h_CxD, t_C):
+    logits = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32) / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0] - lse
+    if not with_entropy:
+      return logp, jnp.zeros_like(logp)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return logp, lse - jnp.sum(probs * logits, axis=-1)
+
+  logp, ent = jax.lax.map(lambda x: one(*x), (h, t))
+  logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]
+  return logp, (ent if with_entropy else None)
+
+
+def log_probs(model: Transformer, tokens_NxS: jax.Array, *, chunk: int = 1024, temperature: float = 1.0,
+              with_entropy: bool = False):
+  """Next-token log-probs [N, S]: out[:, t] = log P(x_t | x_<t); out[:, 0] = 0.
+
+  With `with_entropy`, also the entropy of P(. | x_<t) at the same positions.
+  """
+  N, S = tokens_NxS.shape
+  h = model.hidden(tokens_NxS)[:, :-1]  # [N, S-1, D] predicts tokens 1..S-1
+  D = h.shape[-1]
+  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_matrix(), tokens_NxS[:, 1:].reshape(-1),
+                              chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+  zero = jnp.zeros((N, 1), jnp.float32)
+  logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)
+  if with_entropy:
+    return logp, jnp.concatenate([zero, ent.reshape(N, S - 1)], axis=1)
+  return logp
+
+
+def init_random(cfg: ModelConfig, *, seed: int = 0, dtype="float32", param_dtype="float32",
+                remat: bool = False) -> Transformer:
+  return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, param_dtype=param_dtype, remat=remat)
+
+
+def model_config_from_random_init(r) -> ModelConfig:
+  """ModelConfig from a `config.RandomInitConfig` section."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  return ModelConfig(**{k: getattr(r, k) for k in fields if hasattr(r, k)})
