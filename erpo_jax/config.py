@@ -64,6 +64,9 @@ class ModelSection:
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
   remat: bool = False  # rematerialise each layer in the backward pass
   logits_chunk: int = 128  # tokens per chunk of the lm-head in log-probs (never the full [N,S,V])
+  # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
+  # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
+  shared_prefix: bool = True
 
   def __post_init__(self):
     _check(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)
