@@ -1,0 +1,243 @@
+"""Grain input pipeline: shard by process, shuffle each epoch, repeat forever, tokenize, batch prompts.
+
+Per process p of P: records p, p+P, p+2P, ... of the source (disjoint shards whose
+union is the data set), shuffled with data.shuffle_seed + epoch (a new order every
+epoch, the same for the same seed), tokenized with the prompt template, and cut
+into host batches of B_local = data.batch_size / P prompts. Prompts longer than
+data.max_prompt_tokens are truncated from the left, skipped (and counted) or
+reported, per data.on_overlong. The iterator state is a JSON-serialisable dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import sys
+from typing import Any
+
+import grain
+import numpy as np
+
+from erpo_jax.data.prompts import encode_prompt, fit_length, overlong_error
+from erpo_jax.data.sources import BUILTIN_ARITHMETIC, Record, RecordSource, open_source
+from erpo_jax.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+  """One host's prompts for one update batch (B_local = data.batch_size / process_count)."""
+
+  ids: list[str]  # [B_local] record ids
+  prompt_tokens: list[list[int]]  # [B_local][P_b] unpadded prompt ids (the sampler pads and buckets)
+  answers: list[str]  # [B_local] ground truths
+  texts: list[str]  # [B_local] rendered prompt texts (before any truncation)
+  index: np.ndarray  # [B_local] int64 position of each prompt in the whole training source
+
+
+class _Indexed:
+  """Grain random-access source: i -> (i, record), so the global index survives sharding and shuffling."""
+
+  def __init__(self, source: RecordSource):
+    self._source = source
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, i: int) -> tuple[int, Record]:
+    return i, self._source[i]
+
+
+class _Encode:
+  """Picklable map (it runs in Grain workers): (i, record) -> encoded prompt as a plain dict."""
+
+  def __init__(self, tokenizer, data):
+    self.tokenizer = tokenizer
+    self.data = data
+
+  def __call__(self, item: tuple[int, Record]) -> dict[str, Any]:
+    i, record = item
+    enc = encode_prompt(record, self.tokenizer, self.data, check=False)
+    return {"index": i, "record": record, "tokens": enc.tokens, "text": enc.text, "overlong": enc.overlong}
+
+
+def _ensure_absl_flags() -> None:
+  """Grain's worker processes read absl flags; parse them (program name only) if nobody has."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(sys.argv[:1] or ["erpo-jax"])
+
+
+def _picklable(obj) -> bool:
+  try:
+    pickle.dumps(obj)
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+  if process_index is None or process_count is None:
+    import jax  # pylint: disable=import-outside-toplevel
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+  return process_index, process_count
+
+
+def train_source(cfg) -> RecordSource:
+  """The whole training source (all processes), in dataset order: index i is PromptBatch.index i."""
+  return open_source(cfg.data.source, cfg.data)
+
+
+class TrainIterator:
+  """Endless iterator of PromptBatch for one process; get_state/set_state resume it exactly."""
+
+  def __init__(self, cfg, tokenizer, process_index: int, process_count: int, source: RecordSource):
+    data = cfg.data
+    if data.batch_size % process_count:
+      raise ConfigError(f"data.batch_size: expected a multiple of the number of processes ({process_count}), "
+                        f"got {data.batch_size}")
+    if not 0 <= data.shuffle_seed < 2**32:
+      raise ConfigError(f"data.shuffle_seed: expected an integer in [0, 2**32), got {data.shuffle_seed}")
+    if len(source) < process_count:
+      raise DataError(f"{source.name}: {len(source)} records cannot be shared by {process_count} processes")
+    self.data = data
+    self.batch_per_host = data.batch_size // process_count  # B_local
+    self.source = source
+    self.skipped_overlong = 0  # prompts dropped by data.on_overlong=skip (this process)
+    self._meta = {"version": _STATE_VERSION, "num_records": len(source), "shuffle_seed": data.shuffle_seed,
+                  "process_index": process_index, "process_count": process_count, "num_workers": data.num_workers}
+    ds = grain.MapDataset.source(_Indexed(source))[process_index::process_count]
+    self.shard_size = len(ds)
+    # Shuffle before repeat: ShuffleMapDataset reseeds with seed + epoch for indices past one epoch.
+    ds = ds.shuffle(seed=data.shuffle_seed).repeat()
+    self._encode = _Encode(tokenizer, data)
+    self.tokenize_in_workers = data.num_workers == 0 or _picklable(tokenizer)
+    if self.tokenize_in_workers:
+      ds = ds.map(self._encode)
+    else:
+      log.warning("the tokenizer cannot be pickled for Grain's worker processes; prompts are tokenized in the "
+                  "main process")
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=max(8, 2 * self.batch_per_host)))
+    if data.num_workers > 0:
+      _ensure_absl_flags()
+      it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.num_workers))
+    self._it = iter(it_ds)
+
+  def __iter__(self) -> TrainIterator:
+    return self
+
+  def __next__(self) -> PromptBatch:
+    picked = []
+    skipped_in_a_row = 0
+    while len(picked) < self.batch_per_host:
+      e = next(self._it)
+      if not self.tokenize_in_workers:
+        e = self._encode(e)
+      if e["overlong"] and self.data.on_overlong == "error":
+        raise overlong_error(e["record"], len(e["tokens"]), self.data.max_prompt_tokens)
+      if e["overlong"] and self.data.on_overlong == "skip":
+        self.skipped_overlong += 1
+        skipped_in_a_row += 1
+        if skipped_in_a_row > self.shard_size:
+          raise DataError(f"{self.source.name}: every prompt has more than data.max_prompt_tokens="
+                          f"{self.data.max_prompt_tokens} tokens")
+        continue
+      skipped_in_a_row = 0
+      picked.append(e)
+    return PromptBatch(ids=[e["record"].id for e in picked], prompt_tokens=[e["tokens"] for e in picked],
+                       answers=[e["record"].answer for e in picked], texts=[e["text"] for e in picked],
+                       index=np.array([e["index"] for e in picked], dtype=np.int64))
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position: the Grain iterator state plus the overlong-skip count."""
+    return {"meta": dict(self._meta), "grain": self._it.get_state(), "skipped_overlong": self.skipped_overlong}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    saved = state.get("meta", {})
+    for key, value in self._meta.items():
+      if saved.get(key) != value:
+        raise DataError(f"data iterator state was saved with {key}={saved.get(key)!r} but this run has "
+                        f"{key}={value!r}; resume with the same data.source, data.shuffle_seed, data.num_workers "
+                        "and number of processes")
+    self._it.set_state(_int_keys(state["grain"]))
+    self.skipped_overlong = int(state["skipped_overlong"])
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if close is not None:
+      close()
+
+
+def _int_keys(state: Any) -> Any:
+  """Grain keeps some per-shard states in dicts keyed by int; JSON turned those keys into strings."""
+  if isinstance(state, dict):
+    return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v) for k, v in state.items()}
+  if isinstance(state, list):
+    return [_int_keys(v) for v in state]
+  return state
+
+
+def make_train_iterator(cfg, tokenizer, process_index: int | None = None,
+                        process_count: int | None = None) -> TrainIterator:
+  """The training iterator of this process (defaults: jax.process_index() / jax.process_count())."""
+  process_index, process_count = _process(process_index, process_count)
+  return TrainIterator(cfg, tokenizer, process_index, process_count, train_source(cfg))
+
+
+def training_prompts(cfg, tokenizer) -> list[tuple[str, list[int] | None]]:
+  """(id, prompt token ids) of every training record in dataset order (position = PromptBatch.index).
+
+  Tokens are those training feeds the model (truncated under on_overlong=truncate);
+  None marks a prompt that training skips (on_overlong=skip); on_overlong=error raises.
+  """
+  out = []
+  for record in train_source(cfg):
+    enc = encode_prompt(record, tokenizer, cfg.data)
+    skip = enc.overlong and cfg.data.on_overlong == "skip"
+    out.append((record.id, None if skip else enc.tokens))
+  return out
+
+
+def dataset_prompt_tokens(cfg, tokenizer) -> list[list[int]]:
+  """Prompt ids of every training record in dataset order, each at most data.max_prompt_tokens.
+
+  As `training_prompts`, except that a prompt training skips as overlong is given
+  left-truncated (fit_length) instead of None, so every position has tokens.
+  """
+  out = []
+  for record in train_source(cfg):
+    tokens = encode_prompt(record, tokenizer, cfg.data).tokens
+    out.append(fit_length(tokens, cfg.data.max_prompt_tokens, tokenizer.bos_id))
+  return out
+
+
+def make_eval_source(cfg, set_name: str) -> RecordSource:
+  """Records of one eval.sets entry, at most eval.max_problems (0 = all).
+
+  "builtin:arithmetic" is the held-out split (eval.builtin_seed, eval.builtin_size, the
+  levels of data.levels) with every training problem text excluded. A file's shape is
+  detected from its columns (with data.format=columns, data's column names are used).
+  """
+  from erpo_jax.data.arithmetic import generate  # pylint: disable=import-outside-toplevel
+  from erpo_jax.data.sources import load_file  # pylint: disable=import-outside-toplevel
+  if set_name == BUILTIN_ARITHMETIC:
+    exclude: frozenset[str] = frozenset()
+    if cfg.data.source == BUILTIN_ARITHMETIC:
+      exclude = frozenset(r.prompt for r in generate(cfg.data.size, cfg.data.levels, cfg.data.builtin_seed))
+    records = generate(cfg.eval.builtin_size, cfg.data.levels, cfg.eval.builtin_seed, exclude=exclude)
+    source = RecordSource(f"{BUILTIN_ARITHMETIC}(seed={cfg.eval.builtin_seed})", records)
+  else:
+    columns = cfg.data.format == "columns"
+    source = load_file(set_name, format="columns" if columns else "auto",
+                       prompt_column=cfg.data.prompt_column if columns else "",
+                       answer_column=cfg.data.answer_column if columns else "", on_bad_row=cfg.data.on_bad_row)
+  if cfg.eval.max_problems and len(source) > cfg.eval.max_problems:
+    source = RecordSource(source.name, source.records[:cfg.eval.max_problems], source.skipped, source.bad_rows)
+  return source
