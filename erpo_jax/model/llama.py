@@ -178,22 +178,24 @@ class Transformer(nnx.Module):
 
     Row i attends to cache slots [0, positions_N[i]].
     """
-    T = cache.k.shape[2]
+    N, T = tokens_N.shape[0], cache.k.shape[2]
     h = self.embed_tokens(tokens_N[:, None])  # [N, 1, D]
     cos, sin = rope_tables(positions_N[:, None], self.cfg)
     mask_Nx1xT = (jnp.arange(T)[None, :] <= positions_N[:, None])[:, None, :]
-    write = jax.vmap(lambda c, x, t: jax.lax.dynamic_update_slice(c, x, (t, 0, 0)))
+    rows = jnp.arange(N)
 
-    def layer(h, xs):
-      p, ck, cv = xs
+    # The cache rides in the scan carry and each layer writes one slot per row in
+    # place; passing it as scan xs/ys would rebuild the whole cache every step.
+    def layer(carry, p):
+      h, ck, cv, i = carry
       q, k, v = self._qkv(h, p, cos, sin)
-      ck = write(ck, k.astype(ck.dtype), positions_N)
-      cv = write(cv, v.astype(cv.dtype), positions_N)
-      o = attention(q, ck.astype(self.dtype), cv.astype(self.dtype), mask_Nx1xT)
+      ck = ck.at[i, rows, positions_N].set(k[:, 0].astype(ck.dtype))
+      cv = cv.at[i, rows, positions_N].set(v[:, 0].astype(cv.dtype))
+      o = attention(q, ck[i].astype(self.dtype), cv[i].astype(self.dtype), mask_Nx1xT)
       h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
-      return h + self._mlp(h, p), (ck, cv)
+      return (h + self._mlp(h, p), ck, cv, i + 1), None
 
-    h, (ck, cv) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+    (h, ck, cv, _), _ = jax.lax.scan(layer, (h, cache.k, cache.v, 0), self._layer_params())
     return self.final_hidden(h)[:, 0], KVCache(ck, cv)
 
 
