@@ -1,0 +1,250 @@
+"""The training loop: prompts -> sampler -> rewards -> weights -> update -> metrics -> checkpoint.
+
+Reads top to bottom in `train`. Device-to-host transfers happen only for the
+rollout tokens (to decode and score them) and for metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from erpo_jax import distributed, parallel, train_step
+from erpo_jax.config import Config, dump_config
+from erpo_jax.errors import NonFiniteError, PathError
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def prepare_run_dir(cfg: Config) -> pathlib.Path:
+  """Creates <run.dir> (or checks an existing one is writable) without touching what is in it."""
+  run_dir = pathlib.Path(cfg.run.dir)
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise PathError(f"run.dir '{run_dir}' is not a writable folder ({e.strerror or e}); "
+                    f"give run.dir=<a folder you can write>") from None
+  return run_dir
+
+
+def write_config(run_dir: pathlib.Path, cfg: Config) -> None:
+  tmp = run_dir / "config.yaml.tmp"
+  tmp.write_text(dump_config(cfg))
+  os.replace(tmp, run_dir / "config.yaml")
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop finishes the step, saves, and exits 0."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    self._old = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    signal.signal(signal.SIGTERM, self._old)
+
+
+# ----------------------------------------------------------------------------- host-side batch assembly
+
+
+def bucket_length(n: int, multiple: int = 32) -> int:
+  return max(multiple, -(-n // multiple) * multiple)
+
+
+@dataclasses.dataclass
+class HostRollout:
+  """The addressable rows of a rollout, as numpy."""
+
+  tokens: np.ndarray  # [N, S] int32
+  prompt_mask: np.ndarray  # [N, S] bool
+  response_mask: np.ndarray  # [N, S] bool
+  prompt_len: np.ndarray  # [N]
+  response_len: np.ndarray  # [N]
+  truncated: np.ndarray  # [N] bool
+
+
+def to_host(roll) -> HostRollout:
+  local = distributed.global_to_host_local
+  return HostRollout(tokens=local(roll.tokens), prompt_mask=local(roll.prompt_mask),
+                     response_mask=local(roll.response_mask), prompt_len=local(roll.prompt_len),
+                     response_len=local(roll.response_len), truncated=local(roll.truncated))
+
+
+def response_texts(h: HostRollout, tokenizer) -> list[str]:
+  out = []
+  for row, p, r in zip(h.tokens, h.prompt_len, h.response_len):
+    ids = [int(t) for t in row[p:p + r] if int(t) not in tokenizer.eos_ids]
+    out.append(tokenizer.decode(ids))
+  return out
+
+
+def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
+                   mesh) -> train_step.UpdateBatch:
+  """Trims to the longest row (bucketed), fills cached reference log-probs and static weights."""
+  N, S_full = h.tokens.shape
+  S = min(S_full, bucket_length(int((h.prompt_len + h.response_len).max())))
+  ref_logp = np.zeros((N, S), np.float32)
+  static_w = np.ones((N,), np.float32)
+  if ref_cache is not None:
+    q_N = np.repeat(index_B, group_size)
+    static_w = ref_cache.weights[q_N].astype(np.float32)
+    for n, q in enumerate(q_N):
+      L = min(int(h.prompt_len[n]), int(ref_cache.prompt_len[q]), S)
+      ref_logp[n, :L] = ref_cache.logp[q, :L]
+  local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S],
+               response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
+               static_weight=static_w)
+  return train_step.UpdateBatch(**{
+      k: distributed.host_local_to_global(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
+
+
+def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray) -> dict[str, float]:
+  return {
+      "reward/mean": float(rewards_N.mean()),
+      "reward/std": float(rewards_N.std()),
+      "reward/accuracy": float(correct_N.mean()),
+      "response/len_mean": float(h.response_len.mean()),
+      "response/len_max": float(h.response_len.max()),
+      "response/truncated": float(h.truncated.mean()),
+  }
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(cfg: Config) -> dict[str, float]:
+  """Runs (or resumes) a training run; returns the last step's metrics."""
+  from erpo_jax.checkpoint import Checkpointer, all_finite, model_fingerprint
+  from erpo_jax.data.pipeline import make_train_iterator
+  from erpo_jax.data.static_weights import ensure_reference_cache
+  from erpo_jax.metrics import MetricsWriter
+  from erpo_jax.model.loading import load_model
+  from erpo_jax.rewards import Verifier
+  from erpo_jax.rollout import Sampler
+
+  # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
+  run_dir = prepare_run_dir(cfg)
+  mesh = parallel.make_mesh(cfg.mesh)
+  if cfg.data.batch_size * cfg.rollout.group_size % parallel.num_batch_shards(mesh):
+    from erpo_jax.errors import ConfigError
+    raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
+                      f"rows must divide over data*fsdp = {parallel.num_batch_shards(mesh)} devices")
+  model, tokenizer = load_model(cfg.model)
+  parallel.shard_model(model, mesh)
+  graphdef, params = nnx.split(model)
+  param_sh = parallel.param_shardings(params, mesh)
+
+  settings = train_step.settings_from_config(cfg)
+  ref_params, ref_sh = None, None
+  if settings.reference == "forward":
+    dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
+    ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
+    ref_sh = param_sh
+  ref_cache = None
+  if cfg.erpo.weights == "static" or settings.reference == "cached":
+    ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
+
+  tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
+  opt_sh = train_step.opt_state_shardings(tx, params, param_sh, mesh)
+  opt_state = train_step.init_opt_state(tx, params, opt_sh)
+  step_fn = train_step.build_train_step(graphdef, tx, schedule, settings, mesh=mesh, param_shardings=param_sh,
+                                        opt_shardings=opt_sh, ref_shardings=ref_sh)
+
+  data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+  sampler = Sampler(graphdef, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                    min_prompt_bucket=cfg.rollout.min_prompt_bucket, max_prompt_len=cfg.data.max_prompt_tokens,
+                    mesh=mesh)
+  base_key = jax.random.key(cfg.train.seed)
+
+  # --- resume
+  ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                      async_save=cfg.checkpoint.async_save, fingerprint=model_fingerprint(model.cfg, tokenizer.fingerprint()))
+  start = 0
+  latest = ckpt.latest_step()
+  if latest is not None:
+    restored = ckpt.restore(latest, params_target=params, opt_state_target=opt_state)
+    params, opt_state, start = restored.params, restored.opt_state, restored.step
+    data.set_state(restored.data_state)
+    distributed.log(f"resumed from {run_dir}/checkpoints at step {start}")
+  write_config(run_dir, cfg) if distributed.is_main() else None
+  metrics_out = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
+                              total_steps=cfg.train.steps, start_step=start, is_main=distributed.is_main())
+  G = cfg.rollout.group_size
+  last: dict[str, float] = {}
+  with Verifier(cfg.reward) as verifier, _Preemption() as preempt:
+    for step in range(start + 1, cfg.train.steps + 1):
+      t0 = time.perf_counter()
+      batch = next(data)
+      offset = jax.process_index() * len(batch.prompt_tokens)
+      roll = sampler.generate(params, batch.prompt_tokens, group_size=G,
+                              key=jax.random.fold_in(base_key, step), group_id_offset=offset)
+      host = to_host(roll)
+      t1 = time.perf_counter()
+
+      texts = response_texts(host, tokenizer)
+      scored = verifier.score(texts, [a for a in batch.answers for _ in range(G)])
+      t2 = time.perf_counter()
+
+      update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh)
+      t3 = time.perf_counter()
+      params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update)
+      finite = bool(dev_metrics["optim/finite"])
+      t4 = time.perf_counter()
+      if not finite:
+        if not cfg.train.skip_nonfinite:
+          raise NonFiniteError(step)
+        distributed.log(f"step {step}: non-finite loss or gradients; update skipped")
+
+      if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        tokens = float(host.prompt_len.sum() + host.response_len.sum())
+        last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
+        last.update(rollout_metrics(host, scored.rewards, scored.correct))
+        last.update({"time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t3 - t2,
+                     "time/update": t4 - t3, "time/step": t4 - t0,
+                     "perf/tokens_per_s": tokens * jax.process_count() / (t4 - t0),
+                     "reward/verifier_timeouts": float(scored.timeouts),
+                     "reward/verifier_crashes": float(scored.crashes)})
+        metrics_out.write(step, last)
+      if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+        from erpo_jax.evaluate import eval_during_training
+        ev = eval_during_training(params, graphdef, tokenizer, cfg, step, mesh)
+        ev["eval/gap"] = float(scored.correct.mean()) - ev["eval/accuracy"]
+        metrics_out.write(step, ev)
+      if cfg.log.samples_every and step % cfg.log.samples_every == 0:
+        for i in range(min(cfg.log.num_samples, len(texts))):
+          metrics_out.write_text(step, f"samples/{i}", f"reward {scored.rewards[i]:.2f}\n\n{texts[i]}")
+
+      if ckpt.should_save(step) or step == cfg.train.steps or preempt.requested:
+        if all_finite(params) and all_finite(opt_state):
+          ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
+                    config_text=dump_config(cfg), force=True)
+      if preempt.requested:
+        distributed.log(f"SIGTERM: saved step {step}; resume with the same command")
+        break
+  ckpt.wait()
+  ckpt.close()
+  metrics_out.close()
+  return last
+
