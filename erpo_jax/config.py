@@ -8,15 +8,9 @@ file and line, and what was expected.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import pathlib
-import types
-import typing
 from typing import Any, Literal
 
-import yaml
-
-from erpo_jax.errors import ConfigError, PathError
+from erpo_jax.errors import ConfigError
 
 
 def _check(cond: bool, key: str, expected: str, value: Any) -> None:
@@ -249,6 +243,12 @@ class LogSection:
   samples_every: int = 10  # steps between sample completions logged as text (0 = never)
   num_samples: int = 2
   progress: bool = True  # console progress bar
+  # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3)
+  # comes from a separate reference pass every this many steps (0 = never: no reference kept).
+  policy_kl_every: int = 1
+
+  def __post_init__(self):
+    _check(self.policy_kl_every >= 0, "log.policy_kl_every", "an integer >= 0", self.policy_kl_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,251 +311,12 @@ def _to_plain(x):
   return x
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-class _Where:
-  """Maps dotted keys to 'file:line' for error messages."""
-
-  def __init__(self):
-    self.lines: dict[str, str] = {}
-
-  def of(self, key: str) -> str:
-    while key:
-      if key in self.lines:
-        return self.lines[key]
-      key = key.rpartition(".")[0]
-    return ""
-
-
-def _yaml_with_lines(text: str, source: str, where: _Where) -> dict:
-  try:
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    at = f"{source}:{mark.line + 1}" if mark else source
-    raise ConfigError(f"{at}: invalid YAML ({getattr(e, 'problem', e)})") from None
-  if node is None:
-    return {}
-  if not isinstance(node, yaml.MappingNode):
-    raise ConfigError(f"{source}:{node.start_mark.line + 1}: expected a mapping of config sections")
-
-  def walk(n, prefix):
-    if isinstance(n, yaml.MappingNode):
-      for k, v in n.value:
-        key = f"{prefix}{k.value}"
-        where.lines[key] = f"{source}:{k.start_mark.line + 1}"
-        walk(v, key + ".")
-
-  walk(node, "")
-  return yaml.safe_load(text) or {}
-
-
-def _all_keys(cls, prefix="") -> list[str]:
-  keys = []
-  for f in dataclasses.fields(cls):
-    keys.append(prefix + f.name)
-    t = _resolve(cls, f)
-    if dataclasses.is_dataclass(t):
-      keys += _all_keys(t, prefix + f.name + ".")
-  return keys
-
-
-_HINTS: dict[type, dict] = {}
-
-
-def _resolve(cls, f):
-  if cls not in _HINTS:
-    _HINTS[cls] = typing.get_type_hints(cls)
-  return _HINTS[cls][f.name]
-
-
-def _type_name(t) -> str:
-  origin = typing.get_origin(t)
-  if origin is Literal:
-    return "one of " + ", ".join(repr(a) for a in typing.get_args(t))
-  if origin in (typing.Union, types.UnionType):
-    return " or ".join(_type_name(a) for a in typing.get_args(t))
-  if origin is tuple:
-    args = typing.get_args(t)
-    if len(args) == 2 and args[1] is Ellipsis:
-      return f"a list of {_type_name(args[0])}"
-    return f"a list [{', '.join(_type_name(a) for a in args)}]"
-  return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-          type(None): "null"}.get(t, getattr(t, "__name__", str(t)))
-
-
-class _Mismatch(Exception):
-  pass
-
-
-def _coerce(t, v):
-  origin = typing.get_origin(t)
-  if origin is Literal:
-    if v in typing.get_args(t):
-      return v
-    raise _Mismatch
-  if origin in (typing.Union, types.UnionType):
-    for a in typing.get_args(t):
-      try:
-        return _coerce(a, v)
-      except _Mismatch:
-        pass
-    raise _Mismatch
-  if origin is tuple:
-    if not isinstance(v, (list, tuple)):
-      raise _Mismatch
-    args = typing.get_args(t)
-    if len(args) == 2 and args[1] is Ellipsis:
-      return tuple(_coerce(args[0], x) for x in v)
-    if len(args) != len(v):
-      raise _Mismatch
-    return tuple(_coerce(a, x) for a, x in zip(args, v))
-  if t is type(None):
-    if v is None:
-      return None
-    raise _Mismatch
-  if t is bool:
-    if isinstance(v, bool):
-      return v
-    raise _Mismatch
-  if t is int:
-    if isinstance(v, int) and not isinstance(v, bool):
-      return v
-    raise _Mismatch
-  if t is float:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-      return float(v)
-    if isinstance(v, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
-      try:
-        return float(v)
-      except ValueError:
-        raise _Mismatch from None
-    raise _Mismatch
-  if t is str:
-    if isinstance(v, str):
-      return v
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-      return str(v)
-    raise _Mismatch
-  raise _Mismatch
-
-
-def _build(cls, raw: dict, prefix: str, where: _Where):
-  if not isinstance(raw, dict):
-    at = where.of(prefix.rstrip("."))
-    raise ConfigError(f"{at + ': ' if at else ''}{prefix.rstrip('.')}: expected a mapping, got {raw!r}")
-  names = {f.name: f for f in dataclasses.fields(cls)}
-  kwargs = {}
-  for k, v in raw.items():
-    key = f"{prefix}{k}"
-    at = where.of(key)
-    if k not in names:
-      close = difflib.get_close_matches(key, _all_keys(Config), n=1, cutoff=0.6)
-      hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys here: {', '.join(names)}"
-      raise ConfigError(f"{at + ': ' if at else ''}unknown config key '{key}'{hint}")
-    t = _resolve(cls, names[k])
-    if dataclasses.is_dataclass(t):
-      kwargs[k] = _build(t, v if v is not None else {}, key + ".", where)
-      continue
-    try:
-      kwargs[k] = _coerce(t, v)
-    except _Mismatch:
-      raise ConfigError(f"{at + ': ' if at else ''}{key}: expected {_type_name(t)}, got {v!r}") from None
-  try:
-    return cls(**kwargs)
-  except ConfigError as e:
-    key = str(e).split(":", 1)[0]
-    at = where.of(key)
-    if at:
-      raise ConfigError(f"{at}: {e}") from None
-    raise
-
-
-def _set_dotted(d: dict, key: str, value) -> None:
-  parts = key.split(".")
-  for p in parts[:-1]:
-    nxt = d.get(p)
-    if not isinstance(nxt, dict):
-      nxt = {}
-      d[p] = nxt
-    d = nxt
-  d[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-  """'a.b=value' -> ('a.b', value parsed as YAML)."""
-  if "=" not in text:
-    raise ConfigError(f"override '{text}': expected key=value, e.g. erpo.weights=dynamic")
-  key, _, value = text.partition("=")
-  key = key.strip()
-  if not key:
-    raise ConfigError(f"override '{text}': expected key=value, e.g. erpo.weights=dynamic")
-  try:
-    parsed = yaml.safe_load(value) if value.strip() else ""
-  except yaml.YAMLError:
-    parsed = value
-  return key, parsed
-
-
-def resolve_config_path(path: str | pathlib.Path) -> pathlib.Path:
-  """A config path, or a bare name ('tiny') looked up in the repository's configs/."""
-  p = pathlib.Path(path)
-  if p.is_file():
-    return p
-  candidates = [pathlib.Path(__file__).resolve().parent.parent / "configs" / f"{p.name}",
-                pathlib.Path(__file__).resolve().parent.parent / "configs" / f"{p.name}.yaml"]
-  for c in candidates:
-    if not p.suffix or p.parent == pathlib.Path("."):
-      if c.is_file():
-        return c
-  raise PathError(f"config file '{path}' not found: give a YAML file such as configs/default.yaml")
-
-
-def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-  """Reads a YAML config (sections of Config) and applies `key.sub=value` overrides.
-
-  A YAML file may name `base: other.yaml` (relative to itself) to start from another file.
-  """
-  where = _Where()
-  raw: dict = {}
-  if path is not None:
-    raw = _load_file(resolve_config_path(path), where, depth=0)
-  for i, o in enumerate(overrides):
-    key, value = parse_override(o)
-    where.lines[key] = f"override #{i + 1} '{o}'"
-    _set_dotted(raw, key, value)
-  return _build(Config, raw, "", where)
-
-
-def _load_file(p: pathlib.Path, where: _Where, depth: int) -> dict:
-  if depth > 8:
-    raise ConfigError(f"{p}: 'base' chain too deep (a cycle?)")
-  try:
-    text = p.read_text(encoding="utf-8")
-  except (OSError, UnicodeDecodeError) as e:
-    raise PathError(f"config file '{p}' cannot be read: {e}") from None
-  local = _Where()
-  raw = _yaml_with_lines(text, str(p), local)
-  base = raw.pop("base", None)
-  if base is not None:
-    if not isinstance(base, str):
-      raise ConfigError(f"{local.of('base')}: base: expected a path to another YAML file, got {base!r}")
-    bp = (p.parent / base) if not pathlib.Path(base).is_absolute() else pathlib.Path(base)
-    merged = _load_file(bp, where, depth + 1)
-    _merge(merged, raw)
-    raw = merged
-  where.lines.update(local.lines)
-  return raw
-
-
-def _merge(dst: dict, src: dict) -> None:
-  for k, v in src.items():
-    if isinstance(v, dict) and isinstance(dst.get(k), dict):
-      _merge(dst[k], v)
-    else:
-      dst[k] = v
+def load_config(path=None, overrides=()) -> Config:
+  """Reads a YAML config (sections of Config) and applies `key.sub=value` overrides (see config_io)."""
+  from erpo_jax import config_io
+  return config_io.load_config(path, overrides)
 
 
 def dump_config(cfg: Config) -> str:
+  import yaml
   return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

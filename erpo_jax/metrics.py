@@ -30,7 +30,7 @@ SPEC_SCALARS = (
     "reward/zero_std_groups",  # fraction of groups whose G rewards are all equal
     "entropy/mean",  # mean next-token entropy over response tokens (nats)
     "loss/pg",
-    "loss/kl",  # alpha * KL term as optimised
+    "loss/kl",  # the KL term before alpha (the penalised side: erpo.kl_on)
     "loss/total",
     "clip/low",  # fraction of response tokens clipped at 1 - eps_low
     "clip/high",  # ... at 1 + eps_high

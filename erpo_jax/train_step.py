@@ -50,7 +50,7 @@ class StepSettings:
   log_ratio_clamp: float
   kl_max: float
   dynamic_clip: tuple[float, float] | None
-  reference: str  # forward | cached | none
+  reference: str  # forward (reference forward in the step) | cached (prompt log-probs from the batch)
   eps_low: float
   eps_high: float
   dual_clip: float | None
@@ -72,8 +72,6 @@ class StepSettings:
 def settings_from_config(cfg) -> StepSettings:
   e, p = cfg.erpo, cfg.ppo
   reference = e.reference
-  if e.kl_on == "none":
-    reference = "none"
   return StepSettings(
       group_size=cfg.rollout.group_size, weights=e.weights, kl_on=e.kl_on, alpha=e.alpha,
       estimator=e.estimator, kl_aggregation=e.kl_aggregation, log_ratio_clamp=e.log_ratio_clamp,
@@ -183,6 +181,9 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     metrics["optim/finite"] = jnp.min(finite)
     metrics["optim/lr"] = schedule(count0)
     metrics["reward/zero_std_groups"] = losses.zero_std_group_fraction(batch.rewards, s.group_size)
+    if s.reference == "cached":
+      # Cached reference log-probs cover prompt tokens only: Policy-KL comes from policy_kl_fn.
+      del metrics["kl/policy"]
     return params, opt_state, metrics
 
   batch_sh = UpdateBatch(
@@ -204,6 +205,25 @@ METRIC_NAMES = {
     "prompt_nll": "prompt_nll/mean", "prompt_nll_min": "prompt_nll/min", "prompt_nll_max": "prompt_nll/max",
     "entropy": "entropy/mean",
 }
+
+
+def build_policy_kl(graphdef: nnx.GraphDef, s: StepSettings, *, mesh: Mesh, ref_shardings):
+  """Jitted Policy-KL (response k3 mean) of sampled tokens against the frozen reference.
+
+  For erpo.reference=cached, whose step has no reference forward. `logp_NxS`
+  are the sampler's log-probs: those of the policy that generated the tokens.
+  """
+
+  def policy_kl(ref_params, tokens_NxS, response_mask_NxS, logp_NxS):
+    ref = llama.log_probs(nnx.merge(graphdef, ref_params), tokens_NxS, chunk=s.logits_chunk,
+                          temperature=s.temperature)
+    kl = losses.query_kl(logp_NxS, ref, response_mask_NxS, estimator="k3", log_ratio_clamp=s.log_ratio_clamp,
+                         kl_max=s.kl_max)
+    # Mean over rows that have response tokens, as the step's kl/policy (row-mean aggregation).
+    return losses.ratio(kl.per_row_N.sum(), (kl.count_N > 0).sum().astype(jnp.float32))
+
+  rows = parallel.batch_sharding(mesh, 2)
+  return jax.jit(policy_kl, in_shardings=(ref_shardings, rows, rows, rows), out_shardings=parallel.replicated(mesh))
 
 
 def _opt_count(opt_state) -> jax.Array:

@@ -155,11 +155,15 @@ def train(cfg: Config) -> dict[str, float]:
   param_sh = parallel.param_shardings(params, mesh)
 
   settings = train_step.settings_from_config(cfg)
-  ref_params, ref_sh = None, None
-  if settings.reference == "forward":
+  # The frozen reference: a copy of the initial weights, in the step (forward) or only for
+  # the Policy-KL metric (cached, every log.policy_kl_every steps).
+  ref_params, ref_sh, policy_kl_fn = None, None, None
+  if settings.reference == "forward" or cfg.log.policy_kl_every:
     dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
     ref_sh = param_sh
+  if settings.reference == "cached" and ref_params is not None:
+    policy_kl_fn = train_step.build_policy_kl(graphdef, settings, mesh=mesh, ref_shardings=ref_sh)
   ref_cache = None
   if cfg.erpo.weights == "static" or settings.reference == "cached":
     ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
@@ -168,7 +172,8 @@ def train(cfg: Config) -> dict[str, float]:
   opt_sh = train_step.opt_state_shardings(tx, params, param_sh, mesh)
   opt_state = train_step.init_opt_state(tx, params, opt_sh)
   step_fn = train_step.build_train_step(graphdef, tx, schedule, settings, mesh=mesh, param_shardings=param_sh,
-                                        opt_shardings=opt_sh, ref_shardings=ref_sh)
+                                        opt_shardings=opt_sh,
+                                        ref_shardings=ref_sh if settings.reference == "forward" else None)
 
   data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -208,8 +213,14 @@ def train(cfg: Config) -> dict[str, float]:
       t2 = time.perf_counter()
 
       update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh)
+      log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
+      want_policy_kl = policy_kl_fn is not None and log_step and step % cfg.log.policy_kl_every == 0
+      if want_policy_kl:
+        policy_kl = policy_kl_fn(ref_params, update.tokens, update.response_mask,
+                                 roll.logp[:, :update.tokens.shape[1]])
       t3 = time.perf_counter()
-      params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update)
+      params, opt_state, dev_metrics = step_fn(
+          params, opt_state, ref_params if settings.reference == "forward" else None, update)
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if not finite:
@@ -217,21 +228,25 @@ def train(cfg: Config) -> dict[str, float]:
           raise NonFiniteError(step)
         distributed.log(f"step {step}: non-finite loss or gradients; update skipped")
 
-      if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+      if cfg.train.eval_every and step % cfg.train.eval_every == 0:
+        from erpo_jax.evaluate import eval_during_training
+        evaluation = eval_during_training(params, graphdef, tokenizer, cfg, step, mesh)
+        evaluation["eval/gap"] = float(scored.correct.mean()) - evaluation["eval/accuracy"]
+      else:
+        evaluation = {}
+      if log_step or evaluation:
         tokens = float(host.prompt_len.sum() + host.response_len.sum())
         last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
+        if want_policy_kl:
+          last["kl/policy"] = float(policy_kl)
         last.update(rollout_metrics(host, scored.rewards, scored.correct))
         last.update({"time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t3 - t2,
                      "time/update": t4 - t3, "time/step": t4 - t0,
                      "perf/tokens_per_s": tokens * jax.process_count() / (t4 - t0),
                      "reward/verifier_timeouts": float(scored.timeouts),
                      "reward/verifier_crashes": float(scored.crashes)})
+        last.update(evaluation)
         metrics_out.write(step, last)
-      if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-        from erpo_jax.evaluate import eval_during_training
-        ev = eval_during_training(params, graphdef, tokenizer, cfg, step, mesh)
-        ev["eval/gap"] = float(scored.correct.mean()) - ev["eval/accuracy"]
-        metrics_out.write(step, ev)
       if cfg.log.samples_every and step % cfg.log.samples_every == 0:
         for i in range(min(cfg.log.num_samples, len(texts))):
           metrics_out.write_text(step, f"samples/{i}", f"reward {scored.rewards[i]:.2f}\n\n{texts[i]}")

@@ -1,0 +1,89 @@
+"""Config files and overrides: typed values, one-line errors with the key, file and line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from erpo_jax.config import Config, dump_config, load_config
+from erpo_jax.errors import ConfigError, PathError
+
+
+def test_shipped_configs_load_and_grpo_baseline_differs_only_in_erpo():
+  default = load_config("configs/default.yaml")
+  grpo = load_config("configs/grpo_baseline.yaml")
+  assert default.erpo.kl_on == "prompt" and default.erpo.weights == "static"
+  assert grpo.erpo.kl_on == "response" and grpo.erpo.weights == "none"
+  for section in ("model", "data", "rollout", "ppo", "optim", "train", "reward"):
+    assert getattr(default, section) == getattr(grpo, section), section
+  for name in ("tiny", "qwen25_math_7b_erpo", "qwen25_math_7b_grpo"):
+    assert isinstance(load_config(f"configs/{name}.yaml"), Config)
+
+
+def test_a_bare_name_finds_the_shipped_config():
+  assert load_config("tiny") == load_config("configs/tiny.yaml")
+
+
+def test_overrides_parse_yaml_values_and_win_over_the_file():
+  cfg = load_config("configs/tiny.yaml", ["erpo.weights=dynamic", "optim.lr=3e-4", "erpo.dynamic_clip=[0.5, 2]",
+                                          "ppo.dual_clip=3", "data.levels=[1,2]"])
+  assert cfg.erpo.weights == "dynamic"
+  assert cfg.optim.lr == pytest.approx(3e-4)
+  assert cfg.erpo.dynamic_clip == (0.5, 2.0)
+  assert cfg.ppo.dual_clip == 3.0 and cfg.data.levels == (1, 2)
+
+
+def test_dump_then_load_round_trips(tmp_path):
+  cfg = load_config("configs/default.yaml", ["erpo.weights=dynamic"])
+  path = tmp_path / "c.yaml"
+  path.write_text(dump_config(cfg))
+  assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("erpo.weight=static", "unknown config key 'erpo.weight'; did you mean 'erpo.weights'?"),
+    ("erpo.weights=sometimes", "erpo.weights: expected one of 'static', 'dynamic', 'none', got 'sometimes'"),
+    ("train.steps=many", "train.steps: expected an integer, got 'many'"),
+    ("rollout.group_size=1", "rollout.group_size: expected an integer >= 2 for group-relative advantages"),
+    ("optim.lr=-1", "optim.lr: expected a positive number"),
+    ("mesh.data=0", "mesh: expected sizes >= 1 or -1"),
+    ("erpo.weights", "expected key=value"),
+])
+def test_bad_overrides_name_the_key_and_what_was_expected(override, needle):
+  with pytest.raises(ConfigError) as e:
+    load_config("configs/tiny.yaml", [override])
+  assert needle in str(e.value)
+  assert "\n" not in str(e.value)
+
+
+def test_errors_in_a_file_name_its_line(tmp_path):
+  path = tmp_path / "bad.yaml"
+  path.write_text("model:\n  path: random\nerpo:\n  alpha: 0.1\n  kl_onn: prompt\n")
+  with pytest.raises(ConfigError, match=r"bad.yaml:5: unknown config key 'erpo.kl_onn'; did you mean 'erpo.kl_on'"):
+    load_config(path)
+  path.write_text("erpo:\n  alpha: -3\n")
+  with pytest.raises(ConfigError, match=r"bad.yaml:2: erpo.alpha: expected a number >= 0"):
+    load_config(path)
+  path.write_text("erpo: [unclosed\n")
+  with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+    load_config(path)
+
+
+def test_missing_config_file_is_a_path_error():
+  with pytest.raises(PathError, match="config file 'nope.yaml' not found"):
+    load_config("nope.yaml")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config", "nope.yaml"], "config file 'nope.yaml' not found"),
+    (["--config", "configs/tiny.yaml", "erpo.weight=static"], "did you mean 'erpo.weights'"),
+    (["--config", "configs/tiny.yaml", "erpo.kl_on=both"], "erpo.kl_on: expected one of"),
+    (["--config", "configs/tiny.yaml", "train.steps=1.5"], "train.steps: expected an integer"),
+])
+def test_cli_prints_one_line_and_exits_2_without_traceback(args, needle):
+  res = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", *args], capture_output=True, text=True,
+                       timeout=120)
+  assert res.returncode == 2
+  assert needle in res.stderr
+  assert "Traceback" not in res.stderr
+  assert len(res.stderr.strip().splitlines()) == 1
