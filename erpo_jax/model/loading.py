@@ -72,11 +72,42 @@ def load_tokenizer(model: config_lib.ModelSection) -> Tokenizer:
     path = DEFAULT_BUILTIN
   kind, where = _source(path, field)
   if kind == "gguf":
-    return gguf.read_tokenizer(gguf.open_gguf(where))
+    return _cached_gguf_tokenizer(where)
   if not any(os.path.isfile(os.path.join(where, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
     raise PathError(f"{field}: {where} has no tokenizer.json or tokenizer_config.json: set model.tokenizer to "
                     f"{EXPECTED_TOKENIZER}")
   return Tokenizer.from_folder(where)
+
+
+def _cached_gguf_tokenizer(path: str) -> Tokenizer:
+  """The GGUF file's tokenizer, kept as tokenizer.json under ~/.cache/erpo_jax after the first parse.
+
+  Parsing 49k tokens and merges from GGUF metadata takes seconds; the saved
+  folder reloads in a fraction of that and gives the same ids and fingerprint.
+  The key includes the file's size and modification time, so a changed file is parsed again.
+  """
+  import hashlib
+  st = os.stat(path)
+  key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  folder = os.path.join(root, "erpo_jax", "tokenizers", key)
+  if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+    try:
+      return Tokenizer.from_folder(folder)
+    except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt from the GGUF file below
+      pass
+  tokenizer = gguf.read_tokenizer(gguf.open_gguf(path))
+  try:
+    tmp = f"{folder}.tmp{os.getpid()}"
+    tokenizer.save(tmp)
+    if os.path.exists(folder):  # another process got there first
+      import shutil
+      shutil.rmtree(tmp, ignore_errors=True)
+    else:
+      os.replace(tmp, folder)
+  except OSError:
+    pass  # an unwritable cache only costs the parse next time
+  return tokenizer
 
 
 # ---------------------------------------------------------------------- model
