@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from erpo_jax import losses, parallel
-from erpo_jax.model import llama
+from erpo_jax.model import llama, shared_prefix
 
 
 @flax.struct.dataclass
@@ -62,6 +62,9 @@ class StepSettings:
   epochs: int
   temperature: float  # log-probs are of softmax(logits / T), as sampled
   logits_chunk: int
+  shared_prefix: bool  # training forwards run each group's prompt once (model.shared_prefix)
+  max_prompt_len: int  # P cap: the sampler cuts prompts to data.max_prompt_tokens
+  max_response_len: int  # R cap: responses have at most rollout.max_new_tokens tokens
 
   @property
   def needs_old_pass(self) -> bool:
@@ -80,7 +83,8 @@ def settings_from_config(cfg) -> StepSettings:
       advantage_scale=p.advantage_scale, advantage_eps=p.advantage_eps, entropy_coef=p.entropy_coef,
       minibatches=p.minibatches, epochs=p.epochs,
       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-      logits_chunk=cfg.model.logits_chunk)
+      logits_chunk=cfg.model.logits_chunk, shared_prefix=cfg.model.shared_prefix,
+      max_prompt_len=cfg.data.max_prompt_tokens, max_response_len=cfg.rollout.max_new_tokens)
 
 
 def make_optimizer(optim, total_steps: int, updates_per_step: int = 1) -> optax.GradientTransformation:
@@ -108,8 +112,17 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
                      mesh: Mesh, param_shardings, opt_shardings, ref_shardings=None):
   """Returns step(params, opt_state, ref_params, batch) -> (params, opt_state, metrics)."""
 
-  def logp_of(params, tokens, with_entropy):
+  def logp_of(params, tokens, prompt_mask, with_entropy):
     model = nnx.merge(graphdef, params)
+    (N, S), G = tokens.shape, s.group_size
+    P, R = min(s.max_prompt_len, S), min(s.max_response_len, S)
+    # Static choice: run each group's prompt once when rows are whole groups and the
+    # [B, P] + [N, R] layout holds fewer tokens than [N, S]; values and gradients are the same.
+    if s.shared_prefix and N % G == 0 and (N // G) * P + N * R < N * S:
+      logp, entropy = shared_prefix.shared_prefix_log_probs(
+          model, tokens, prompt_mask.sum(axis=1), G, prompt_bucket=P, response_bucket=R, chunk=s.logits_chunk,
+          temperature=s.temperature, with_entropy=with_entropy)
+      return (logp, entropy) if with_entropy else logp
     return llama.log_probs(model, tokens, chunk=s.logits_chunk, temperature=s.temperature,
                            with_entropy=with_entropy)
 
@@ -119,11 +132,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     # Advantages and weights are constants of the whole update batch.
     adv_N = losses.group_advantages(batch.rewards, s.group_size, eps=s.advantage_eps, scale=s.advantage_scale)
     if s.reference == "forward":
-      ref_logp = jax.lax.stop_gradient(logp_of(ref_params, batch.tokens, False))
+      ref_logp = jax.lax.stop_gradient(logp_of(ref_params, batch.tokens, batch.prompt_mask, False))
     else:
       ref_logp = batch.ref_logp
     if s.needs_old_pass:
-      old_logp = jax.lax.stop_gradient(logp_of(params, batch.tokens, False))
+      old_logp = jax.lax.stop_gradient(logp_of(params, batch.tokens, batch.prompt_mask, False))
     else:
       old_logp = jnp.zeros(batch.tokens.shape, jnp.float32)  # unused: sg(logp) of the one forward
     denominators = losses.global_denominators(batch.prompt_mask, batch.response_mask,
@@ -138,7 +151,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       w_N = jnp.ones((N,), jnp.float32)  # none, or dynamic from the one forward (below)
 
     def loss_fn(params, mb):
-      logp, entropy = logp_of(params, mb["tokens"], True)
+      logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], True)
       old = mb["old_logp"] if s.needs_old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
       if s.weights == "dynamic" and not s.needs_old_pass:

@@ -205,3 +205,16 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
       assert out[shape]["metrics"][k] == pytest.approx(v, abs=1e-5), (shape, k)
     for a, b in zip(base["params"], out[shape]["params"]):
       np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_shared_prefix_step_equals_the_plain_layout():
+  # Caps P=8, R=16 make [B,P] + [N,R] smaller than [N,S], so the shared-prefix forward runs.
+  caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-6"]
+  batch = make_batch()
+  out = {}
+  for shared in (True, False):
+    step, _, params, ref, opt = build(tiny_cfg(*caps, f"model.shared_prefix={str(shared).lower()}",
+                                               "erpo.kl_on=all", "erpo.alpha=0.5"))
+    out[shared] = {k: float(v) for k, v in step(params, opt, ref, batch)[2].items()}
+  for key, value in out[False].items():
+    assert out[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

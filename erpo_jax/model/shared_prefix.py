@@ -1,0 +1,136 @@
+"""Training log-probs that run each group's shared prompt once: [B, P] prompt rows, [N, R] response rows.
+
+Dimension letters: B prompts, G rows per prompt, N = B*G rows (group-contiguous:
+row n belongs to prompt n // G), S sequence length, P prompt bucket, R response
+bucket, L layers, D hidden, H query heads, K key/value heads, Dh head dim.
+
+The G rows of a group hold the same prompt, so its hidden states and keys /
+values are computed once, on B prompt rows, and the N response rows attend to
+them. The result equals `llama.log_probs` on the plain [N, S] layout at every
+position t >= 1 with t < prompt_len + R; the prompt log-probs are broadcast to
+the G rows, so their gradient sums over the group exactly as the G copies of
+the plain layout do. Prompt work drops from N*P to B*P tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from erpo_jax.model.llama import Transformer, attention, rope_tables, token_log_probs
+
+
+def group_attention(q_NxRxHxDh: jax.Array, kp_BxPxKxDh: jax.Array, vp_BxPxKxDh: jax.Array,
+                    kr_NxRxKxDh: jax.Array, vr_NxRxKxDh: jax.Array, prompt_len_B: jax.Array,
+                    group_size: int) -> jax.Array:
+  """Softmax attention of response queries over [their group's prompt keys, causal response keys].
+
+  Row n = b*G + g sees prompt keys j < prompt_len[b] of prompt b (stored once,
+  never copied G times) and its own response keys r' <= r. One softmax over
+  both key sets, scores and softmax in float32, as `llama.attention`.
+  """
+  N, R, H, Dh = q_NxRxHxDh.shape
+  B, P, K, _ = kp_BxPxKxDh.shape
+  G = group_size
+  q = q_NxRxHxDh.reshape(B, G, R, K, H // K, Dh)
+  kr = kr_NxRxKxDh.reshape(B, G, R, K, Dh)
+  vr = vr_NxRxKxDh.reshape(B, G, R, K, Dh)
+  f32 = jnp.float32
+  scores_p = jnp.einsum("bgrkhd,bpkd->bgkhrp", q, kp_BxPxKxDh, preferred_element_type=f32)
+  scores_r = jnp.einsum("bgrkhd,bgtkd->bgkhrt", q, kr, preferred_element_type=f32)
+  scores = jnp.concatenate([scores_p, scores_r], axis=-1) / math.sqrt(Dh)  # [B, G, K, H/K, R, P+R]
+  mask_p = (jnp.arange(P)[None, :] < prompt_len_B[:, None])[:, None, None, None, None, :]  # [B, 1, 1, 1, 1, P]
+  mask_r = jnp.tril(jnp.ones((R, R), bool))
+  mask = jnp.concatenate([jnp.broadcast_to(mask_p, (B, 1, 1, 1, R, P)),
+                          jnp.broadcast_to(mask_r, (B, 1, 1, 1, R, R))], axis=-1)
+  scores = jnp.where(mask, scores, jnp.finfo(f32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(vr.dtype)
+  o = (jnp.einsum("bgkhrp,bpkd->bgrkhd", probs[..., :P], vp_BxPxKxDh, preferred_element_type=f32)
+       + jnp.einsum("bgkhrt,bgtkd->bgrkhd", probs[..., P:], vr, preferred_element_type=f32))
+  return o.astype(vr.dtype).reshape(N, R, H, Dh)
+
+
+def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int, *,
+                         prompt_bucket: int, response_bucket: int):
+  """Final-normed hidden states of the B prompt rows [B, P, D] and the N response rows [N, R, D].
+
+  Prompt row b holds tokens[b*G, :P] at positions 0..P-1 (causal). Response
+  row n holds tokens[n, len_n + r] at its true RoPE position len_n + r, for
+  r < R (positions past S repeat the last token; they come after every valid
+  query, so the causal mask keeps them out). Returns (hp_BxPxD, hr_NxRxD,
+  tokens_BxP, response_tokens_NxR).
+  """
+  N, S = tokens_NxS.shape
+  G = group_size
+  if N % G:
+    raise ValueError(f"shared prefix: {N} rows are not whole groups of {G}")
+  B, P, R = N // G, min(prompt_bucket, S), min(response_bucket, S)
+  len_N = prompt_len_N.astype(jnp.int32)
+  len_B = len_N.reshape(B, G)[:, 0]
+  tokens_BxP = tokens_NxS.reshape(B, G, S)[:, 0, :P]
+  pos_NxR = len_N[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+  tokens_NxR = jnp.take_along_axis(tokens_NxS, jnp.minimum(pos_NxR, S - 1), axis=1)
+  cos_p, sin_p = rope_tables(jnp.broadcast_to(jnp.arange(P), (B, P)), model.cfg)
+  cos_r, sin_r = rope_tables(pos_NxR, model.cfg)
+  causal = jnp.tril(jnp.ones((P, P), bool))[None]  # [1, P, P]
+  wo = lambda p: p["wo"].astype(model.dtype)
+
+  def layer(carry, p):
+    hp, hr = carry
+    qp, kp, vp = model._qkv(hp, p, cos_p, sin_p)
+    qr, kr, vr = model._qkv(hr, p, cos_r, sin_r)
+    hp = hp + jnp.einsum("nshd,hde->nse", attention(qp, kp, vp, causal), wo(p))
+    hr = hr + jnp.einsum("nshd,hde->nse", group_attention(qr, kp, vp, kr, vr, len_B, G), wo(p))
+    return (hp + model._mlp(hp, p), hr + model._mlp(hr, p)), None
+
+  if model.remat:
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  (hp, hr), _ = jax.lax.scan(layer, (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_NxR)),
+                             model._layer_params())
+  return model.final_hidden(hp), model.final_hidden(hr), tokens_BxP, tokens_NxR
+
+
+def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
+                            *, prompt_bucket: int, response_bucket: int, chunk: int = 1024,
+                            temperature: float = 1.0, with_entropy: bool = False):
+  """`llama.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
+
+  out[n, t] = log P(x_t | x_<t) for 1 <= t < len_n + R (len_n = prompt_len_N[n]);
+  0 at t = 0 and from len_n + R on. Positions 1..len_n-1 come from prompt row
+  n // G, t = len_n from that row's hidden state at len_n - 1, later ones from
+  response row n. Requires prompt_len <= P = min(prompt_bucket, S), every
+  response within R = min(response_bucket, S) tokens, and the G rows of a group
+  to hold the same prompt tokens; P and R are static. Returns [N, S] float32
+  log-probs, and the entropy in the same layout with `with_entropy` (else None).
+  """
+  N, S = tokens_NxS.shape
+  G = group_size
+  hp, hr, tokens_BxP, tokens_NxR = shared_prefix_hidden(
+      model, tokens_NxS, prompt_len_N, G, prompt_bucket=prompt_bucket, response_bucket=response_bucket)
+  (B, P, D), R = hp.shape, tokens_NxR.shape[1]
+  len_N = prompt_len_N.astype(jnp.int32)
+  last_B = jnp.clip(len_N.reshape(B, G)[:, 0] - 1, 0, P - 1)
+  h_last_NxD = jnp.repeat(jnp.take_along_axis(hp, last_B[:, None, None], axis=1)[:, 0], G, axis=0)
+  # Response row n predicts its R tokens from [h at len_n - 1, hr[:, :R-1]].
+  h_in_NxRxD = jnp.concatenate([h_last_NxD[:, None], hr[:, :-1]], axis=1)
+  h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_NxRxD.reshape(-1, D)])
+  targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_NxR.reshape(-1)])
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
+                                  temperature=temperature, with_entropy=with_entropy)
+  logp = _to_rows(logp_M, len_N, B, G, P, R, S)
+  return logp, (_to_rows(ent_M, len_N, B, G, P, R, S) if with_entropy else None)
+
+
+def _to_rows(values_M: jax.Array, len_N: jax.Array, B: int, G: int, P: int, R: int, S: int) -> jax.Array:
+  """[B*(P-1) prompt values | N*R response values] -> the plain [N, S] layout (gathers, so grads sum)."""
+  N = B * G
+  prompt_BxP = jnp.pad(values_M[:B * (P - 1)].reshape(B, P - 1), ((0, 0), (1, S - P)))  # column t = position t
+  prompt_NxS = jnp.repeat(prompt_BxP, G, axis=0)  # the G copies of a prompt; its gradient sums them
+  response_NxR = values_M[B * (P - 1):].reshape(N, R)
+  t_NxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (N, S))
+  r_NxS = t_NxS - len_N[:, None]
+  response_NxS = jnp.take_along_axis(response_NxR, jnp.clip(r_NxS, 0, R - 1), axis=1)
+  out = jnp.where(r_NxS < 0, prompt_NxS, jnp.where(r_NxS < R, response_NxS, 0.0))
+  return jnp.where(t_NxS >= 1, out, 0.0)
