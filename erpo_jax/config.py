@@ -8,6 +8,7 @@ file and line, and what was expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 from erpo_jax.errors import ConfigError
@@ -111,6 +112,8 @@ class RewardSection:
   def __post_init__(self):
     _check(self.timeout_s > 0, "reward.timeout_s", "a positive number of seconds", self.timeout_s)
     _check(self.workers >= 1, "reward.workers", "an integer >= 1", self.workers)
+    for f in ("correct", "wrong", "format_bonus"):  # a NaN/Inf reward would make every advantage NaN
+      _check(math.isfinite(getattr(self, f)), f"reward.{f}", "a finite number", getattr(self, f))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +152,7 @@ class ErpoSection:
 
   def __post_init__(self):
     _check(self.alpha >= 0, "erpo.alpha", "a number >= 0", self.alpha)
+    _check(math.isfinite(self.alpha), "erpo.alpha", "a finite number", self.alpha)
     _check(self.log_ratio_clamp > 0, "erpo.log_ratio_clamp", "a positive number", self.log_ratio_clamp)
     _check(self.kl_max > 0, "erpo.kl_max", "a positive number", self.kl_max)
     lo, hi = self.static_clip
@@ -179,6 +183,10 @@ class PpoSection:
     _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "null or a number > 1", self.dual_clip)
     _check(self.minibatches >= 1, "ppo.minibatches", "an integer >= 1", self.minibatches)
     _check(self.epochs >= 1, "ppo.epochs", "an integer >= 1", self.epochs)
+    # With eps = 0 a group whose rewards are all equal divides 0 by 0.
+    _check(0 < self.advantage_eps < math.inf or self.advantage_scale == "none", "ppo.advantage_eps",
+           "a finite number > 0 (or ppo.advantage_scale=none)", self.advantage_eps)
+    _check(math.isfinite(self.entropy_coef), "ppo.entropy_coef", "a finite number", self.entropy_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +202,10 @@ class OptimSection:
 
   def __post_init__(self):
     _check(self.lr > 0, "optim.lr", "a positive number", self.lr)
+    _check(math.isfinite(self.lr), "optim.lr", "a finite number", self.lr)
+    _check(0 <= self.b1 < 1, "optim.b1", "a number in [0, 1)", self.b1)
+    _check(0 <= self.b2 < 1, "optim.b2", "a number in [0, 1)", self.b2)
+    _check(0 < self.eps < math.inf, "optim.eps", "a finite positive number", self.eps)
     _check(self.weight_decay >= 0, "optim.weight_decay", "a number >= 0", self.weight_decay)
     _check(self.grad_clip >= 0, "optim.grad_clip", "a number >= 0", self.grad_clip)
     _check(self.warmup_steps >= 0, "optim.warmup_steps", "an integer >= 0", self.warmup_steps)
@@ -246,6 +258,9 @@ class LogSection:
   # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3)
   # comes from a separate reference pass every this many steps (0 = never: no reference kept).
   policy_kl_every: int = 1
+  # <run.dir>/data_indices.process<p>.jsonl: per step, the dataset indices of the prompts process p fed
+  # (one {"step", "index"} line per step); audits the data order and the split across processes.
+  data_indices: bool = False
 
   def __post_init__(self):
     _check(self.policy_kl_every >= 0, "log.policy_kl_every", "an integer >= 0", self.policy_kl_every)

@@ -318,6 +318,16 @@ def global_to_host_local(array: Any) -> Any:
   return jax.tree.map(_one_to_host_local, array)
 
 
+def allgather_rows(x_local: Any) -> np.ndarray:
+  """Host arrays [n, ...] of all processes -> [P*n, ...] in process order, on every process (a collective)."""
+  import jax
+  x = np.asarray(x_local)
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _one_to_host_local(array: Any) -> np.ndarray:
   if array.is_fully_addressable:
     return np.asarray(array)

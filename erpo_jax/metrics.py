@@ -82,7 +82,7 @@ class MetricsWriter:
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / METRICS_FILE
-    _truncate_jsonl(path, start_step)
+    truncate_jsonl(path, start_step)
     self._jsonl = open(path, "a", encoding="utf-8")
     if tensorboard:
       # purge_step: TensorBoard hides earlier files' events at steps > start_step, as metrics.jsonl drops
@@ -147,7 +147,7 @@ def _number(key: str, v) -> int | float:
   return x
 
 
-def _truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
+def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
   """Keeps lines with step <= last_step (and drops a torn last line); atomic rewrite via os.replace."""
   if not path.exists():
     return

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from erpo_jax.distributed import allgather_rows
 from erpo_jax.errors import DataError
 from erpo_jax.model.llama import KVCache
 
@@ -135,7 +136,7 @@ class Sampler:
     len_B = np.array([len(r) for r in rows], np.int32)
     longest = len_B.max(keepdims=True)
     if jax.process_count() > 1:
-      longest = _allgather(longest)  # one bucket P on every process
+      longest = allgather_rows(longest)  # one bucket P on every process
     tokens_BxP = np.full((len(rows), prompt_bucket(int(longest.max()), self.min_prompt_bucket)), self.pad_id, np.int32)
     for b, r in enumerate(rows):
       tokens_BxP[b, :len(r)] = r
@@ -158,7 +159,7 @@ class Sampler:
     tokens_BxP, len_B, cut_B = self.pad_prompts(prompt_tokens)
     if jax.process_count() > 1:
       # One global batch, process 0's prompts first: each process owns its rows of the mesh.
-      tokens_BxP, len_B, cut_B = _allgather(tokens_BxP), _allgather(len_B), _allgather(cut_B)
+      tokens_BxP, len_B, cut_B = allgather_rows(tokens_BxP), allgather_rows(len_B), allgather_rows(cut_B)
     temp = self.temperature if temperature is None else max(float(temperature), 0.0)
     cache, logits_NxV = self._prefill(state, tokens_BxP, len_B, group_size=group_size)
     rollout, _ = self._decode(state, cache, logits_NxV, tokens_BxP, len_B, np.repeat(cut_B, group_size), key,
@@ -171,6 +172,10 @@ class Sampler:
     if self._batch_sharding is None:
       return x
     mesh, axes = self._batch_sharding
+    shards = int(np.prod([mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)) if a]))
+    if x.shape[batch_axis] % shards:
+      # Fewer prompts than batch shards: every device prefills them all (N = B*G rows are sharded).
+      return x
     spec = [None] * x.ndim
     spec[batch_axis] = axes
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
@@ -258,12 +263,6 @@ def _batch_sharding(mesh, data_sharding: NamedSharding | None):
   if data_sharding is not None:
     return data_sharding.mesh, data_sharding.spec[0]
   return None if mesh is None else (mesh, tuple(a for a in ("data", "fsdp") if a in mesh.axis_names))
-
-
-def _allgather(x_local: np.ndarray) -> np.ndarray:
-  """Concatenation over processes (process order) of a host array of equal shape on each."""
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x_local, tiled=True))
 
 
 def greedy_reference(model: nnx.Module, prompt_tokens: list[list[int]], n: int) -> list[list[int]]:

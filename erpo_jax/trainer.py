@@ -2,11 +2,15 @@
 
 Reads top to bottom in `train`. Device-to-host transfers happen only for the
 rollout tokens (to decode and score them) and for metrics.
+
+Fault injection for tests: ERPO_JAX_FAULT_NAN_STEP=<k> multiplies the rewards of
+step k by NaN, so the real update of that step sees a non-finite loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import signal
@@ -100,9 +104,13 @@ def response_texts(h: HostRollout, tokenizer) -> list[str]:
 
 def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
                    mesh) -> train_step.UpdateBatch:
-  """Trims to the longest row (bucketed), fills cached reference log-probs and static weights."""
+  """Trims to the longest row of all processes (bucketed), fills cached reference log-probs and static weights.
+
+  Each process passes its own rows; all must call it (one collective agrees on S).
+  """
   N, S_full = h.tokens.shape
-  S = min(S_full, bucket_length(int((h.prompt_len + h.response_len).max())))
+  longest = distributed.allgather_rows(np.array([(h.prompt_len + h.response_len).max()]))
+  S = min(S_full, bucket_length(int(longest.max())))
   ref_logp = np.zeros((N, S), np.float32)
   static_w = np.ones((N,), np.float32)
   if ref_cache is not None:
@@ -118,14 +126,27 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
       k: distributed.host_local_to_global(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
 
 
-def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray) -> dict[str, float]:
+def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,
+                    timeouts: int = 0, crashes: int = 0) -> dict[str, float]:
+  """Reward, length and throughput statistics of the GLOBAL batch from each process's rows.
+
+  A collective (every process calls it): the per-row values of all processes
+  are gathered, so every process returns the statistics one process with the
+  whole batch would. tokens_per_s = (prompt + response tokens) / seconds.
+  """
+  cols_Nx5 = np.stack([rewards_N, correct_N, h.prompt_len, h.response_len, h.truncated], axis=1).astype(np.float32)
+  rewards, correct, prompt_len, response_len, truncated = distributed.allgather_rows(cols_Nx5).astype(np.float64).T
+  timeouts, crashes = distributed.allgather_rows(np.array([[timeouts, crashes]], np.float32)).sum(axis=0)
   return {
-      "reward/mean": float(rewards_N.mean()),
-      "reward/std": float(rewards_N.std()),
-      "reward/accuracy": float(correct_N.mean()),
-      "response/len_mean": float(h.response_len.mean()),
-      "response/len_max": float(h.response_len.max()),
-      "response/truncated": float(h.truncated.mean()),
+      "reward/mean": float(rewards.mean()),
+      "reward/std": float(rewards.std()),
+      "reward/accuracy": float(correct.mean()),
+      "response/len_mean": float(response_len.mean()),
+      "response/len_max": float(response_len.max()),
+      "response/truncated": float(truncated.mean()),
+      "perf/tokens_per_s": float(prompt_len.sum() + response_len.sum()) / seconds,
+      "reward/verifier_timeouts": float(timeouts),
+      "reward/verifier_crashes": float(crashes),
   }
 
 
@@ -135,10 +156,10 @@ def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray
 def train(cfg: Config) -> dict[str, float]:
   """Runs (or resumes) a training run; returns the last step's metrics."""
   from erpo_jax.checkpoint import Checkpointer, all_finite, model_fingerprint
-  from erpo_jax.data.pipeline import make_train_iterator
+  from erpo_jax.data.pipeline import check_training_data, make_train_iterator
   from erpo_jax.data.static_weights import ensure_reference_cache
-  from erpo_jax.metrics import MetricsWriter
-  from erpo_jax.model.loading import load_model
+  from erpo_jax.metrics import MetricsWriter, truncate_jsonl
+  from erpo_jax.model.loading import load_model, load_tokenizer
   from erpo_jax.rewards import Verifier
   from erpo_jax.rollout import Sampler
 
@@ -149,6 +170,7 @@ def train(cfg: Config) -> dict[str, float]:
     from erpo_jax.errors import ConfigError
     raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
                       f"rows must divide over data*fsdp = {parallel.num_batch_shards(mesh)} devices")
+  check_training_data(cfg, load_tokenizer(cfg.model))  # bad rows fail here, before the model loads
   model, tokenizer = load_model(cfg.model)
   parallel.shard_model(model, mesh)
   graphdef, params = nnx.split(model)
@@ -164,9 +186,6 @@ def train(cfg: Config) -> dict[str, float]:
     ref_sh = param_sh
   if settings.reference == "cached" and ref_params is not None:
     policy_kl_fn = train_step.build_policy_kl(graphdef, settings, mesh=mesh, ref_shardings=ref_sh)
-  ref_cache = None
-  if cfg.erpo.weights == "static" or settings.reference == "cached":
-    ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
 
   tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
   opt_sh = train_step.opt_state_shardings(tx, params, param_sh, mesh)
@@ -193,23 +212,36 @@ def train(cfg: Config) -> dict[str, float]:
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     distributed.log(f"resumed from {run_dir}/checkpoints at step {start}")
+  # After the checkpoint's model check (a run resumed with another model is told so, not that its cache is stale).
+  ref_cache = None
+  if cfg.erpo.weights == "static" or settings.reference == "cached":
+    ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
   write_config(run_dir, cfg) if distributed.is_main() else None
   metrics_out = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                               total_steps=cfg.train.steps, start_step=start, is_main=distributed.is_main())
+  index_log = None
+  if cfg.log.data_indices:
+    index_path = run_dir / f"data_indices.process{jax.process_index()}.jsonl"
+    truncate_jsonl(index_path, start)  # steps after the checkpoint are fed again
+    index_log = open(index_path, "a", encoding="utf-8")
   G = cfg.rollout.group_size
   last: dict[str, float] = {}
   with Verifier(cfg.reward) as verifier, _Preemption() as preempt:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
       batch = next(data)
-      offset = jax.process_index() * len(batch.prompt_tokens)
-      roll = sampler.generate(params, batch.prompt_tokens, group_size=G,
-                              key=jax.random.fold_in(base_key, step), group_id_offset=offset)
+      if index_log is not None:
+        index_log.write(json.dumps({"step": step, "index": batch.index.tolist()}) + "\n")
+        index_log.flush()
+      # The sampler gathers every process's prompts into one global batch (group ids count over all of them).
+      roll = sampler.generate(params, batch.prompt_tokens, group_size=G, key=jax.random.fold_in(base_key, step))
       host = to_host(roll)
       t1 = time.perf_counter()
 
       texts = response_texts(host, tokenizer)
       scored = verifier.score(texts, [a for a in batch.answers for _ in range(G)])
+      if os.environ.get("ERPO_JAX_FAULT_NAN_STEP") == str(step):  # fault injection for tests: NaN rewards
+        scored = dataclasses.replace(scored, rewards=scored.rewards * np.float32("nan"))
       t2 = time.perf_counter()
 
       update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh)
@@ -225,41 +257,45 @@ def train(cfg: Config) -> dict[str, float]:
       t4 = time.perf_counter()
       if not finite:
         if not cfg.train.skip_nonfinite:
+          ckpt.wait()  # the last finite checkpoint is complete on disk before the run stops
           raise NonFiniteError(step)
         distributed.log(f"step {step}: non-finite loss or gradients; update skipped")
 
       if cfg.train.eval_every and step % cfg.train.eval_every == 0:
         from erpo_jax.evaluate import eval_during_training
         evaluation = eval_during_training(params, graphdef, tokenizer, cfg, step, mesh)
-        evaluation["eval/gap"] = float(scored.correct.mean()) - evaluation["eval/accuracy"]
+        train_accuracy = float(distributed.allgather_rows(scored.correct).mean())
+        evaluation["eval/gap"] = train_accuracy - evaluation["eval/accuracy"]
       else:
         evaluation = {}
       if log_step or evaluation:
-        tokens = float(host.prompt_len.sum() + host.response_len.sum())
         last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
         if want_policy_kl:
           last["kl/policy"] = float(policy_kl)
-        last.update(rollout_metrics(host, scored.rewards, scored.correct))
+        last.update(rollout_metrics(host, scored.rewards, scored.correct, t4 - t0, scored.timeouts, scored.crashes))
         last.update({"time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t3 - t2,
-                     "time/update": t4 - t3, "time/step": t4 - t0,
-                     "perf/tokens_per_s": tokens * jax.process_count() / (t4 - t0),
-                     "reward/verifier_timeouts": float(scored.timeouts),
-                     "reward/verifier_crashes": float(scored.crashes)})
+                     "time/update": t4 - t3, "time/step": t4 - t0})
         last.update(evaluation)
         metrics_out.write(step, last)
       if cfg.log.samples_every and step % cfg.log.samples_every == 0:
         for i in range(min(cfg.log.num_samples, len(texts))):
           metrics_out.write_text(step, f"samples/{i}", f"reward {scored.rewards[i]:.2f}\n\n{texts[i]}")
 
-      if ckpt.should_save(step) or step == cfg.train.steps or preempt.requested:
+      stop = preempt.requested
+      if jax.process_count() > 1:
+        # SIGTERM may reach the processes in different steps; they save and stop together.
+        stop = bool(distributed.allgather_rows(np.array([stop])).any())
+      if ckpt.should_save(step) or step == cfg.train.steps or stop:
         if all_finite(params) and all_finite(opt_state):
           ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
                     config_text=dump_config(cfg), force=True)
-      if preempt.requested:
+      if stop:
         distributed.log(f"SIGTERM: saved step {step}; resume with the same command")
         break
   ckpt.wait()
   ckpt.close()
   metrics_out.close()
+  if index_log is not None:
+    index_log.close()
   return last
 

@@ -1,9 +1,12 @@
-"""Grain input pipeline: shard by process, shuffle each epoch, repeat forever, tokenize, batch prompts.
+"""Grain input pipeline: one global shuffled order, each process its slice of every global batch.
 
-Per process p of P: records p, p+P, p+2P, ... of the source (disjoint shards whose
-union is the data set), shuffled with data.shuffle_seed + epoch (a new order every
-epoch, the same for the same seed), tokenized with the prompt template, and cut
-into host batches of B_local = data.batch_size / P prompts. Prompts longer than
+The source is shuffled with data.shuffle_seed + epoch (a new order every epoch,
+the same for the same seed) and repeated forever: one global stream, whatever
+the number of processes. Global batch t is the next B = data.batch_size prompts
+of it, and process p of P takes its contiguous slice of B_local = B / P prompts,
+global batch rows [p*B_local, (p+1)*B_local): the rows its devices hold under
+the batch sharding, so P processes feed exactly the batches one process would.
+Prompts are tokenized with the prompt template; those longer than
 data.max_prompt_tokens are truncated from the left, skipped (and counted) or
 reported, per data.on_overlong. The iterator state is a JSON-serialisable dict.
 """
@@ -25,7 +28,7 @@ from erpo_jax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: one global order, each process a slice of every global batch (1: one shard per process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,23 @@ class _Indexed:
 
   def __getitem__(self, i: int) -> tuple[int, Record]:
     return i, self._source[i]
+
+
+class _RowsOfProcess(grain.MapDataset):
+  """Process p's slice of every global batch of B from a global stream: i -> (i // b) * B + p * b + i % b."""
+
+  def __init__(self, parent: grain.MapDataset, global_batch: int, local_batch: int, process_index: int):
+    super().__init__(parent)
+    self._B, self._b, self._offset = global_batch, local_batch, process_index * local_batch
+
+  def __len__(self) -> int:
+    return len(self._parent) // self._B * self._b
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    t, j = divmod(index, self._b)
+    return self._parent[t * self._B + self._offset + j]
 
 
 class _Encode:
@@ -105,18 +125,24 @@ class TrainIterator:
                         f"got {data.batch_size}")
     if not 0 <= data.shuffle_seed < 2**32:
       raise ConfigError(f"data.shuffle_seed: expected an integer in [0, 2**32), got {data.shuffle_seed}")
-    if len(source) < process_count:
-      raise DataError(f"{source.name}: {len(source)} records cannot be shared by {process_count} processes")
     self.data = data
     self.batch_per_host = data.batch_size // process_count  # B_local
     self.source = source
-    self.skipped_overlong = 0  # prompts dropped by data.on_overlong=skip (this process)
+    # Prompts dropped by data.on_overlong=skip, counted over whole global batches (equal on every process).
+    self.skipped_overlong = 0
     self._meta = {"version": _STATE_VERSION, "num_records": len(source), "shuffle_seed": data.shuffle_seed,
                   "process_index": process_index, "process_count": process_count, "num_workers": data.num_workers}
-    ds = grain.MapDataset.source(_Indexed(source))[process_index::process_count]
-    self.shard_size = len(ds)
     # Shuffle before repeat: ShuffleMapDataset reseeds with seed + epoch for indices past one epoch.
-    ds = ds.shuffle(seed=data.shuffle_seed).repeat()
+    ds = grain.MapDataset.source(_Indexed(source)).shuffle(seed=data.shuffle_seed).repeat()
+    if data.on_overlong == "skip" and process_count > 1:
+      # Which prompts a global batch skips depends on all of its prompts: every process reads
+      # (and tokenizes) whole global batches and keeps its slice of the prompts that remain.
+      self._rows_read, self._keep = data.batch_size, slice(process_index * self.batch_per_host,
+                                                          (process_index + 1) * self.batch_per_host)
+    else:
+      # Nothing is skipped: each process reads only its own B_local prompts of each global batch.
+      ds = _RowsOfProcess(ds, data.batch_size, self.batch_per_host, process_index)
+      self._rows_read, self._keep = self.batch_per_host, slice(None)
     self._encode = _Encode(tokenizer, data)
     self.tokenize_in_workers = data.num_workers == 0 or _picklable(tokenizer)
     if self.tokenize_in_workers:
@@ -124,7 +150,7 @@ class TrainIterator:
     else:
       log.warning("the tokenizer cannot be pickled for Grain's worker processes; prompts are tokenized in the "
                   "main process")
-    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=max(8, 2 * self.batch_per_host)))
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=max(8, 2 * self._rows_read)))
     if data.num_workers > 0:
       _ensure_absl_flags()
       it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.num_workers))
@@ -136,7 +162,7 @@ class TrainIterator:
   def __next__(self) -> PromptBatch:
     picked = []
     skipped_in_a_row = 0
-    while len(picked) < self.batch_per_host:
+    while len(picked) < self._rows_read:
       e = next(self._it)
       if not self.tokenize_in_workers:
         e = self._encode(e)
@@ -145,12 +171,13 @@ class TrainIterator:
       if e["overlong"] and self.data.on_overlong == "skip":
         self.skipped_overlong += 1
         skipped_in_a_row += 1
-        if skipped_in_a_row > self.shard_size:
+        if skipped_in_a_row > len(self.source):
           raise DataError(f"{self.source.name}: every prompt has more than data.max_prompt_tokens="
                           f"{self.data.max_prompt_tokens} tokens")
         continue
       skipped_in_a_row = 0
       picked.append(e)
+    picked = picked[self._keep]
     return PromptBatch(ids=[e["record"].id for e in picked], prompt_tokens=[e["tokens"] for e in picked],
                        answers=[e["record"].answer for e in picked], texts=[e["text"] for e in picked],
                        index=np.array([e["index"] for e in picked], dtype=np.int64))
@@ -161,6 +188,9 @@ class TrainIterator:
 
   def set_state(self, state: dict[str, Any]) -> None:
     saved = state.get("meta", {})
+    if saved.get("version") != _STATE_VERSION:
+      raise DataError(f"data iterator state has format version {saved.get('version')!r}, this erpo-jax reads "
+                      f"version {_STATE_VERSION}; start a fresh run.dir")
     for key, value in self._meta.items():
       if saved.get(key) != value:
         raise DataError(f"data iterator state was saved with {key}={saved.get(key)!r} but this run has "
@@ -203,6 +233,18 @@ def training_prompts(cfg, tokenizer) -> list[tuple[str, list[int] | None]]:
     skip = enc.overlong and cfg.data.on_overlong == "skip"
     out.append((record.id, None if skip else enc.tokens))
   return out
+
+
+def check_training_data(cfg, tokenizer) -> None:
+  """Raises DataError for a malformed training row, or for an overlong prompt under data.on_overlong=error.
+
+  Cheap enough to run before a model is loaded: it parses the source, and tokenizes
+  every prompt only when on_overlong=error needs the lengths.
+  """
+  if cfg.data.on_overlong == "error":
+    training_prompts(cfg, tokenizer)
+  else:
+    train_source(cfg)
 
 
 def dataset_prompt_tokens(cfg, tokenizer) -> list[list[int]]:
