@@ -6,5 +6,5 @@ out=${1:-runs/untrained_accuracy}
 for level in 1 2 3 4 5; do
   erpo-jax eval --config configs/default.yaml "run.dir=$out/level$level" "data.levels=[$level]" \
     "eval.sets=[builtin:arithmetic]" "eval.temperatures=[0.0]" eval.k=1 eval.builtin_size=200 \
-    eval.max_problems=200 eval.batch_size=50 --out "$out/level$level.json"
+    eval.max_problems=200 eval.max_new_tokens=48 eval.batch_size=50 --out "$out/level$level.json"
 done
