@@ -112,7 +112,10 @@ class Checkpointer:
     if self.directory.exists() and not self.directory.is_dir():
       raise PathError(f"{self.directory} is a file; checkpoints need a folder")
     _remove_torn_writes(self.directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save)
+    # Step folders are made before `save` returns: a checkpoints folder that vanished fails there at once
+    # (made in the background, Orbax's synchronous items would wait 5 minutes for a folder never made).
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                           async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
                 "meta": ocp.JsonCheckpointHandler(), "data": _DataStateHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -222,8 +225,9 @@ class Checkpointer:
       latest = self.latest_step()
     except Exception:  # pylint: disable=broad-except
       latest = None
+    left = f"the latest complete checkpoint is step {latest}" if latest is not None else "none is readable there"
     return CheckpointWriteError(f"checkpoint step {step} could not be written to {self.directory} "
-                                f"({_first_line(e)}); the latest complete checkpoint is step {latest}")
+                                f"({_first_line(e)}); {left}")
 
 
 # ---------------- params only

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
-from erpo_jax.errors import UserError
+from erpo_jax.errors import NonFiniteError, UserError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -64,9 +65,10 @@ def _dispatch(args: argparse.Namespace) -> int:
   from erpo_jax import distributed
   from erpo_jax.config import load_config
 
+  # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
+  cfg = load_config(args.config, args.overrides)
   distributed.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
-  cfg = load_config(args.config, args.overrides)
   if args.command == "train":
     from erpo_jax.trainer import train
     train(cfg)
@@ -89,11 +91,39 @@ def _dispatch(args: argparse.Namespace) -> int:
   return 0
 
 
+class _OrbaxErrorLogs(logging.Filter):
+  """Orbax's error logs: a traceback from each thread of a failed checkpoint write."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "orbax" in f"{record.pathname} {record.getMessage()}")
+
+
+def _report_checkpoint_write_errors_once() -> None:
+  """A failed checkpoint write reaches the user as ONE line (CheckpointWriteError, raised by the trainer).
+
+  Orbax also logs it from each of its writer threads, and tensorstore's late callbacks
+  into Orbax's closed event loop print "Event loop is closed" tracebacks; those are dropped.
+  """
+  import absl.logging  # pylint: disable=import-outside-toplevel,unused-import  (its records name the Orbax file)
+  if any(isinstance(f, _OrbaxErrorLogs) for f in logging.getLogger("absl").filters):
+    return  # main() ran before in this process
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_OrbaxErrorLogs())
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  _report_checkpoint_write_errors_once()
   try:
     return _dispatch(args)
-  except UserError as e:
+  except (UserError, NonFiniteError) as e:  # NonFiniteError names the step; exit code 3 tells it from a mistake
     print(f"erpo-jax {args.command}: error: {e}", file=sys.stderr)
     return e.exit_code
   except KeyboardInterrupt:

@@ -50,8 +50,10 @@ class _Worker:
     env = dict(os.environ)
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # A session of its own: a preemption SIGTERM or Ctrl-C sent to the trainer's process group
+    # must not kill a worker mid-answer (the trainer closes its workers itself).
     self.proc = subprocess.Popen([sys.executable, "-m", "erpo_jax.verify"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, env=env, bufsize=0)
+                                 stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True)
     self.fd = self.proc.stdout.fileno()
     self.buf = b""
     self.ready = False
