@@ -1,0 +1,46 @@
+"""FLOPs of the bench's measured programs, counted from the model config (ModelConfig.flops_per_token).
+
+Dimension letters: B prompts, G samples per prompt, N = B*G rows, S sequence
+length, P prompt bucket, T cache length, V vocab, D hidden.
+
+Attention is counted over every key the program computes scores for (all S
+positions of a training row, all T slots of the decode cache), as the
+implementation runs it with a mask rather than skipping masked blocks.
+"""
+
+from __future__ import annotations
+
+from erpo_jax.model.config import ModelConfig
+
+
+def lm_head_flops_per_token(mc: ModelConfig) -> float:
+  """2 V D: one row of logits."""
+  return 2.0 * mc.vocab_size * mc.hidden_size
+
+
+def forward_flops(mc: ModelConfig, rows: int, length: int) -> float:
+  """One forward over `rows` sequences of `length` positions: rows * length * flops_per_token(length)."""
+  return rows * length * mc.flops_per_token(length)
+
+
+def train_step_flops(mc: ModelConfig, rows: int, length: int, *, reference_forward: bool, old_pass: bool,
+                     epochs: int = 1) -> float:
+  """F * (3 * epochs + [reference forward] + [behaviour-policy forward]), F = forward_flops(rows, length).
+
+  The policy forward with its backward costs 3 forwards (the backward is two
+  matmuls per forward matmul); the frozen reference and the behaviour-policy
+  pass (only with several optimizer steps per batch) are forwards.
+  """
+  f = forward_flops(mc, rows, length)
+  return f * (3 * epochs + int(reference_forward) + int(old_pass))
+
+
+def prefill_flops(mc: ModelConfig, prompts: int, bucket: int) -> float:
+  """The sampler's prefill: B prompt rows of P positions, logits at one position per row."""
+  body = mc.flops_per_token(bucket) - lm_head_flops_per_token(mc)
+  return prompts * (bucket * body + lm_head_flops_per_token(mc))
+
+
+def decode_step_flops(mc: ModelConfig, rows: int, cache_len: int) -> float:
+  """One decode step: N rows, one token each, attending over the T cache slots, with logits."""
+  return rows * mc.flops_per_token(cache_len)
