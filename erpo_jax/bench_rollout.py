@@ -120,10 +120,15 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
   difference of two calls (n tokens minus 1 token) over n - 1 steps: tracing
   and the cache load cancel out.
   """
+  with tempfile.TemporaryDirectory(prefix="erpo-bench-xla-") as cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return _greedy_vs_sampler(cfg, iters=iters, warmup=warmup, prompts_max=prompts_max, tokens=tokens)
+
+
+def _greedy_vs_sampler(cfg, *, iters: int, warmup: int, prompts_max: int, tokens: int) -> dict[str, Any]:
   load0 = bench_probe.load_average()
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="erpo-bench-xla-"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   model, tokenizer, prompts = _load(cfg)
   prompts = prompts[:prompts_max]
   B = len(prompts)
@@ -134,8 +139,9 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
     greedy_reference(model, prompts, k)
     return time.perf_counter() - t0
 
-  for _ in range(max(warmup, 1)):  # fills the compilation cache
+  for _ in range(max(warmup, 1)):  # fills the compilation cache for both lengths
     plain(1)
+    plain(n)
   one = [plain(1) for _ in range(iters)]
   many = [plain(n) for _ in range(iters)]
   uncached_step = (bench_probe.median(many) - bench_probe.median(one)) / (n - 1)
