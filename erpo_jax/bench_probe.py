@@ -97,3 +97,15 @@ def device_peaks() -> dict[str, Any]:
   bw = read_bandwidth((1 << 30) if accel else (256 << 20))
   return {"matmul_n": n, "peak_flops_per_s_float32": f32["flops_per_s"], "peak_flops_per_s_bfloat16": bf16["flops_per_s"],
           "matmul_time_s_float32": f32["time_s"], "matmul_time_s_bfloat16": bf16["time_s"], **bw}
+
+
+def load_model_and_prompts(cfg):
+  """(model, tokenizer, the first batch's prompt token lists) of a config, as training would see them."""
+  from erpo_jax.data.pipeline import make_train_iterator
+  from erpo_jax.model.loading import load_model
+
+  model, tokenizer = load_model(cfg.model)
+  data = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
+  prompts = next(data).prompt_tokens
+  data.close()
+  return model, tokenizer, prompts

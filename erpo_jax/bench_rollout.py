@@ -32,17 +32,6 @@ class NoStopTokens:
   eos_ids: tuple[int, ...] = ()
 
 
-def _load(cfg):
-  from erpo_jax.data.pipeline import make_train_iterator
-  from erpo_jax.model.loading import load_model
-
-  model, tokenizer = load_model(cfg.model)
-  data = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
-  prompts = next(data).prompt_tokens
-  data.close()
-  return model, tokenizer, prompts
-
-
 def kv_bytes_per_step(mc, rows: int, context: float, itemsize: int) -> float:
   """Keys and values one decode step reads: 2 L N context K Dh bytes-per-element."""
   return 2.0 * mc.num_layers * rows * context * mc.num_kv_heads * mc.head_dim * itemsize
@@ -70,7 +59,7 @@ def _time_generate(sampler: Sampler, params, prompts, G: int, *, iters: int, war
 def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Prefill and decode throughput of the configured B prompts x G samples x M tokens."""
   load0 = bench_probe.load_average()
-  model, tokenizer, prompts = _load(cfg)
+  model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   mesh = parallel.make_mesh(cfg.mesh)
   parallel.shard_model(model, mesh)
   graphdef, params = nnx.split(model)
@@ -129,7 +118,7 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
 
 def _greedy_vs_sampler(cfg, *, iters: int, warmup: int, prompts_max: int, tokens: int) -> dict[str, Any]:
   load0 = bench_probe.load_average()
-  model, tokenizer, prompts = _load(cfg)
+  model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   prompts = prompts[:prompts_max]
   B = len(prompts)
   n = max(2, min(tokens, cfg.rollout.max_new_tokens))

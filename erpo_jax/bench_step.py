@@ -198,17 +198,6 @@ def step_flops(mc, inp: StepInputs, v: StepVariant) -> float:
                                       old_pass=s.needs_old_pass, epochs=s.epochs)
 
 
-def _load(cfg):
-  from erpo_jax.data.pipeline import make_train_iterator
-  from erpo_jax.model.loading import load_model
-
-  model, tokenizer = load_model(cfg.model)
-  data = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
-  prompts = next(data).prompt_tokens
-  data.close()
-  return model, tokenizer, prompts
-
-
 def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str, Any]:
   t = bench_probe.median(times) if times else float("nan")
   flops = step_flops(mc, inp, v)
@@ -231,7 +220,7 @@ def measure_steps(cfgs: list, *, iters: int, warmup: int) -> dict[str, Any]:
   model, data, rollout and optimizer sections are used for all.
   """
   load0 = bench_probe.load_average()
-  model, tokenizer, prompts = _load(cfgs[0])
+  model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfgs[0])
   mc = model.cfg
   need_ref = any(train_step.settings_from_config(c).reference == "forward" for c in cfgs)
   inp = prepare_inputs(cfgs[0], model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
@@ -250,7 +239,7 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   plan); its time, compilation excluded, is reported as first_call_s.
   """
   load0 = bench_probe.load_average()
-  model, tokenizer, prompts = _load(cfg)
+  model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   forward = train_step.settings_from_config(cfg).reference == "forward"
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        with_reference=forward)

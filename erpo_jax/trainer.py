@@ -23,7 +23,7 @@ from flax import nnx
 
 from erpo_jax import distributed, parallel, train_step
 from erpo_jax.config import Config, dump_config
-from erpo_jax.errors import NonFiniteError, PathError
+from erpo_jax.errors import ConfigError, NonFiniteError, PathError
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -167,7 +167,6 @@ def train(cfg: Config) -> dict[str, float]:
   run_dir = prepare_run_dir(cfg)
   mesh = parallel.make_mesh(cfg.mesh)
   if cfg.data.batch_size * cfg.rollout.group_size % parallel.num_batch_shards(mesh):
-    from erpo_jax.errors import ConfigError
     raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
                       f"rows must divide over data*fsdp = {parallel.num_batch_shards(mesh)} devices")
   check_training_data(cfg, load_tokenizer(cfg.model))  # bad rows fail here, before the model loads
@@ -216,7 +215,8 @@ def train(cfg: Config) -> dict[str, float]:
   ref_cache = None
   if cfg.erpo.weights == "static" or settings.reference == "cached":
     ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
-  write_config(run_dir, cfg) if distributed.is_main() else None
+  if distributed.is_main():
+    write_config(run_dir, cfg)
   metrics_out = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                               total_steps=cfg.train.steps, start_step=start, is_main=distributed.is_main())
   index_log = None
