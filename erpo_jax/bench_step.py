@@ -139,7 +139,8 @@ def build_variant(inp: StepInputs, cfg) -> StepVariant:
                                         ref_shardings=inp.param_sh if forward else None)
   v = StepVariant(cfg, settings, step_fn)
   t0 = time.perf_counter()
-  v.compiled = step_fn.lower(inp.params, inp.opt_state, ref_for(inp, v), inp.batch).compile()
+  v.compiled = step_fn.lower(inp.params, inp.opt_state, ref_for(inp, v), inp.batch,
+                             prompt_bucket=inp.shape["prompt_bucket"]).compile()
   v.compile_s = time.perf_counter() - t0
   return v
 

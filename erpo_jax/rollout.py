@@ -74,9 +74,35 @@ def sample_token(logits_NxV: jax.Array, key: jax.Array, temperature, *, greedy: 
     keep = jnp.sum(mass_before < top_p, axis=-1)  # >= 1: the first token has mass_before 0
     cutoff = jnp.take_along_axis(sorted_desc, keep[:, None] - 1, axis=-1)
     x = jnp.where(x < cutoff, neg_inf, x)
-  tok = jax.random.categorical(key, x, axis=-1)
+  tok = categorical(key, x)
   logp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
   return tok.astype(jnp.int32), logp
+
+
+def categorical(key: jax.Array, logits_NxV: jax.Array, *, block: int = 128) -> jax.Array:
+  """One draw per row from softmax(logits) by inverse CDF: one uniform per row, not V Gumbels.
+
+  Dimension letters: N rows, V vocab, C blocks of `block` tokens (V padded with
+  zero-mass tokens). The uniform u in [0, total mass) picks the block whose
+  cumulative mass passes u, then the token inside it: two short cumulative
+  sums instead of V random numbers (the Gumbel trick of jax.random.categorical
+  spends most of a decode step's sampling time on them). Tokens of zero
+  probability (filtered to the dtype's min) are never drawn.
+  """
+  N, V = logits_NxV.shape
+  C = -(-V // block)
+  x = logits_NxV.astype(jnp.float32)
+  p_NxV = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  p_NxCxK = jnp.pad(p_NxV, ((0, 0), (0, C * block - V))).reshape(N, C, block)
+  cum_NxC = jnp.cumsum(p_NxCxK.sum(axis=-1), axis=-1)
+  u_N = jax.random.uniform(key, (N,), jnp.float32) * cum_NxC[:, -1]
+  c_N = jnp.minimum(jnp.sum(cum_NxC <= u_N[:, None], axis=-1), C - 1)
+  before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NxC, jnp.maximum(c_N - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+  inner_NxK = jnp.cumsum(jnp.take_along_axis(p_NxCxK, c_N[:, None, None], axis=1)[:, 0], axis=-1)
+  # Rounding can leave u - before at or past the block's own total: stay inside its mass.
+  r_N = jnp.minimum(u_N - before_N, inner_NxK[:, -1] * (1.0 - 2.0 ** -20))
+  k_N = jnp.sum(inner_NxK <= r_N[:, None], axis=-1)
+  return (c_N * block + k_N).astype(jnp.int32)
 
 
 class Sampler:
@@ -188,8 +214,8 @@ class Sampler:
     h_BxPxD, cache = model.prefill(tokens_BxP, model.init_cache(*tokens_BxP.shape))
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    # [L, B, P, K, Dh] -> [L, N, T, K, Dh]: slots [P, T) are filled by the decode.
-    widen = ((0, 0), (0, 0), (0, self.max_new_tokens), (0, 0), (0, 0))
+    # [L, B, K, P, Dh] -> [L, N, K, T, Dh]: slots [P, T) are filled by the decode.
+    widen = ((0, 0), (0, 0), (0, 0), (0, self.max_new_tokens), (0, 0))
     k = jnp.pad(jnp.repeat(cache.k, group_size, axis=1), widen)
     v = jnp.pad(jnp.repeat(cache.v, group_size, axis=1), widen)
     cache = KVCache(self._constrain(k, 1), self._constrain(v, 1))

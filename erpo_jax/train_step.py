@@ -110,12 +110,16 @@ def _split_rows(x, m: int):
 
 def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule, s: StepSettings, *,
                      mesh: Mesh, param_shardings, opt_shardings, ref_shardings=None):
-  """Returns step(params, opt_state, ref_params, batch) -> (params, opt_state, metrics)."""
+  """Returns step(params, opt_state, ref_params, batch, prompt_bucket=None) -> (params, opt_state, metrics).
 
-  def logp_of(params, tokens, prompt_mask, with_entropy):
+  prompt_bucket: static bound on the batch's prompt lengths (the sampler's prompt
+  bucket); the shared-prefix forward runs prompt rows of that length.
+  """
+
+  def logp_of(params, tokens, prompt_mask, with_entropy, prompt_bucket):
     model = nnx.merge(graphdef, params)
     (N, S), G = tokens.shape, s.group_size
-    P, R = min(s.max_prompt_len, S), min(s.max_response_len, S)
+    P, R = min(prompt_bucket or s.max_prompt_len, S), min(s.max_response_len, S)
     # Static choice: run each group's prompt once when rows are whole groups and the
     # [B, P] + [N, R] layout holds fewer tokens than [N, S]; values and gradients are the same.
     if s.shared_prefix and N % G == 0 and (N // G) * P + N * R < N * S:
@@ -126,17 +130,17 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     return llama.log_probs(model, tokens, chunk=s.logits_chunk, temperature=s.temperature,
                            with_entropy=with_entropy)
 
-  def step(params, opt_state, ref_params, batch: UpdateBatch):
+  def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None):
     N = batch.tokens.shape[0]
     M = s.minibatches
     # Advantages and weights are constants of the whole update batch.
     adv_N = losses.group_advantages(batch.rewards, s.group_size, eps=s.advantage_eps, scale=s.advantage_scale)
     if s.reference == "forward":
-      ref_logp = jax.lax.stop_gradient(logp_of(ref_params, batch.tokens, batch.prompt_mask, False))
+      ref_logp = jax.lax.stop_gradient(logp_of(ref_params, batch.tokens, batch.prompt_mask, False, prompt_bucket))
     else:
       ref_logp = batch.ref_logp
     if s.needs_old_pass:
-      old_logp = jax.lax.stop_gradient(logp_of(params, batch.tokens, batch.prompt_mask, False))
+      old_logp = jax.lax.stop_gradient(logp_of(params, batch.tokens, batch.prompt_mask, False, prompt_bucket))
     else:
       old_logp = jnp.zeros(batch.tokens.shape, jnp.float32)  # unused: sg(logp) of the one forward
     denominators = losses.global_denominators(batch.prompt_mask, batch.response_mask,
@@ -151,7 +155,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       w_N = jnp.ones((N,), jnp.float32)  # none, or dynamic from the one forward (below)
 
     def loss_fn(params, mb):
-      logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], True)
+      logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], True, prompt_bucket)
       old = mb["old_logp"] if s.needs_old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
       if s.weights == "dynamic" and not s.needs_old_pass:
@@ -204,9 +208,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       response_mask=parallel.batch_sharding(mesh, 2), rewards=parallel.batch_sharding(mesh, 1),
       ref_logp=parallel.batch_sharding(mesh, 2), static_weight=parallel.batch_sharding(mesh, 1))
   # Params and optimizer state are donated: the update happens in place in device memory.
+  # prompt_bucket (static: one compile per bucket) is the sampler's prompt length P, a bound
+  # on every prompt of the batch; None means data.max_prompt_tokens.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),
                  out_shardings=(param_shardings, opt_shardings, parallel.replicated(mesh)),
-                 donate_argnums=(0, 1))
+                 donate_argnums=(0, 1), static_argnames=("prompt_bucket",))
 
 
 # losses.finalize_metrics names -> the names every run logs (erpo_jax.metrics.SPEC_SCALARS).

@@ -15,7 +15,7 @@ from flax import nnx
 from erpo_jax.errors import DataError
 from erpo_jax.model import llama
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.rollout import Sampler, greedy_reference, prompt_bucket, sample_token
+from erpo_jax.rollout import Sampler, categorical, greedy_reference, prompt_bucket, sample_token
 
 V = 64
 # Untied lm-head: a tied random model mostly repeats its input token, which makes dull samples.
@@ -170,6 +170,31 @@ def test_top_p_and_top_k_sample_from_the_renormalised_head():
   np.testing.assert_allclose(lp, jnp.log(p[t] / 0.95), rtol=1e-5)
   t, lp = sample_token(logits, jax.random.key(2), 1.0, greedy=False, top_k=3, top_p=0.5)
   assert set(np.asarray(t).tolist()) == {0} and np.allclose(lp, 0.0)
+
+
+def test_inverse_cdf_draws_follow_softmax_and_never_pick_zero_mass_tokens():
+  # V = 300 is not a multiple of the 128-token block; tokens 0, 129 and 299 have zero mass.
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0.0, 1.5, 300).astype(np.float32)
+  logits[[0, 129, 299]] = np.finfo(np.float32).min
+  p = np.asarray(jax.nn.softmax(jnp.asarray(logits)))
+  n = 200_000
+  draws = np.asarray(categorical(jax.random.key(3), jnp.broadcast_to(jnp.asarray(logits), (n, 300))))
+  counts = np.bincount(draws, minlength=300)
+  assert counts[[0, 129, 299]].sum() == 0
+  # Pearson chi-square over 297 categories: mean 296, sd 24; 450 is 6 sd out.
+  live = p > 0
+  chi2 = float(np.sum((counts[live] - n * p[live]) ** 2 / (n * p[live])))
+  assert chi2 < 450, chi2
+  # Same key, same draws; another key, other draws.
+  again = np.asarray(categorical(jax.random.key(3), jnp.broadcast_to(jnp.asarray(logits), (n, 300))))
+  other = np.asarray(categorical(jax.random.key(4), jnp.broadcast_to(jnp.asarray(logits), (n, 300))))
+  assert (again == draws).all() and (other != draws).mean() > 0.9
+
+
+def test_inverse_cdf_draws_a_one_hot_row_exactly():
+  logits = jnp.full((64, 1000), jnp.finfo(jnp.float32).min).at[:, 517].set(0.0)
+  assert (np.asarray(categorical(jax.random.key(0), logits)) == 517).all()
 
 
 def test_top_k_one_sampling_equals_greedy(model):

@@ -32,7 +32,8 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer: [L, N, T, K, Dh] each."""
+  """Keys and values of every layer: [L, N, K, T, Dh] each (heads before slots: a row's
+  head reads its T slots as one contiguous block)."""
 
   k: jax.Array
   v: jax.Array
@@ -150,52 +151,54 @@ class Transformer(nnx.Module):
 
   def init_cache(self, batch: int, length: int) -> KVCache:
     c = self.cfg
-    shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
     return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
   def prefill(self, tokens_NxP: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Runs right-padded prompts, writes cache positions [0, P); returns hidden [N, P, D]."""
+    """Runs right-padded prompts, writes cache slots [0, P); returns hidden [N, P, D]."""
     N, P = tokens_NxP.shape
     positions = jnp.broadcast_to(jnp.arange(P), (N, P))
     h = self.embed_tokens(tokens_NxP)
     causal = jnp.tril(jnp.ones((P, P), bool))[None]
     cos, sin = rope_tables(positions, self.cfg)
 
-    def layer(h, xs):
-      p, ck, cv = xs
+    def layer(h, p):
       q, k, v = self._qkv(h, p, cos, sin)
       o = attention(q, k, v, causal)
       h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
-      ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0))
-      cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0))
-      return h + self._mlp(h, p), (ck, cv)
+      return h + self._mlp(h, p), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
 
-    h, (ck, cv) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+    h, (k_LxNxKxPxDh, v_LxNxKxPxDh) = jax.lax.scan(layer, h, self._layer_params())
+    ck = jax.lax.dynamic_update_slice(cache.k, k_LxNxKxPxDh.astype(cache.k.dtype), (0, 0, 0, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cache.v, v_LxNxKxPxDh.astype(cache.v.dtype), (0, 0, 0, 0, 0))
     return self.final_hidden(h), KVCache(ck, cv)
 
   def decode(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """One token per row at its own position; writes the cache there; returns hidden [N, D].
 
-    Row i attends to cache slots [0, positions_N[i]].
+    Row i attends to cache slots [0, positions_N[i]) and to its own new key.
+    The layers only read the cache (it is the scan's input); the new keys and
+    values of all layers come out of the scan and are written into the cache
+    in one scatter at the end.
     """
-    N, T = tokens_N.shape[0], cache.k.shape[2]
+    N, T = tokens_N.shape[0], cache.k.shape[3]
     h = self.embed_tokens(tokens_N[:, None])  # [N, 1, D]
     cos, sin = rope_tables(positions_N[:, None], self.cfg)
-    mask_Nx1xT = (jnp.arange(T)[None, :] <= positions_N[:, None])[:, None, :]
-    rows = jnp.arange(N)
+    past_NxT = jnp.arange(T)[None, :] < positions_N[:, None]
 
-    # The cache rides in the scan carry and each layer writes one slot per row in
-    # place; passing it as scan xs/ys would rebuild the whole cache every step.
-    def layer(carry, p):
-      h, ck, cv, i = carry
+    def layer(h, xs):
+      p, ck_NxKxTxDh, cv_NxKxTxDh = xs
       q, k, v = self._qkv(h, p, cos, sin)
-      ck = ck.at[i, rows, positions_N].set(k[:, 0].astype(ck.dtype))
-      cv = cv.at[i, rows, positions_N].set(v[:, 0].astype(cv.dtype))
-      o = attention(q, ck[i].astype(self.dtype), cv[i].astype(self.dtype), mask_Nx1xT)
-      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
-      return (h + self._mlp(h, p), ck, cv, i + 1), None
+      o = decode_attention(q[:, 0], ck_NxKxTxDh.astype(self.dtype), cv_NxKxTxDh.astype(self.dtype), k[:, 0],
+                           v[:, 0], past_NxT)
+      h = h + jnp.einsum("nhd,hde->ne", o, p["wo"].astype(self.dtype))[:, None]
+      return h + self._mlp(h, p), (k[:, 0], v[:, 0])
 
-    (h, ck, cv, _), _ = jax.lax.scan(layer, (h, cache.k, cache.v, 0), self._layer_params())
+    h, (k_LxNxKxDh, v_LxNxKxDh) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+    rows = jnp.arange(N)
+    # x[:, rows, :, positions] puts the advanced (N) axis first: [N, L, K, Dh].
+    ck = cache.k.at[:, rows, :, positions_N].set(jnp.swapaxes(k_LxNxKxDh, 0, 1).astype(cache.k.dtype))
+    cv = cache.v.at[:, rows, :, positions_N].set(jnp.swapaxes(v_LxNxKxDh, 0, 1).astype(cache.v.dtype))
     return self.final_hidden(h)[:, 0], KVCache(ck, cv)
 
 
@@ -251,6 +254,23 @@ def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
   probs = jax.nn.softmax(scores, axis=-1).astype(v_NxTxKxDh.dtype)
   o = jnp.einsum("nkgst,ntkd->nskgd", probs, v_NxTxKxDh)
   return o.reshape(N, S, H, Dh)
+
+
+def decode_attention(q_NxHxDh, kc_NxKxTxDh, vc_NxKxTxDh, k_NxKxDh, v_NxKxDh, past_NxT):
+  """One query per row over its past cache slots (past_NxT) and its own new key; float32 softmax."""
+  N, H, Dh = q_NxHxDh.shape
+  K = k_NxKxDh.shape[1]
+  q = q_NxHxDh.reshape(N, K, H // K, Dh)
+  f32 = jnp.float32
+  scores_past = jnp.einsum("nkgd,nktd->nkgt", q, kc_NxKxTxDh, preferred_element_type=f32)
+  score_self = jnp.einsum("nkgd,nkd->nkg", q, k_NxKxDh, preferred_element_type=f32)[..., None]
+  scores = jnp.concatenate([scores_past, score_self], axis=-1) / math.sqrt(Dh)  # [N, K, H/K, T + 1]
+  keep = jnp.concatenate([past_NxT, jnp.ones((N, 1), bool)], axis=-1)[:, None, None, :]
+  probs = jax.nn.softmax(jnp.where(keep, scores, jnp.finfo(f32).min), axis=-1)
+  o = (jnp.einsum("nkgt,nktd->nkgd", probs[..., :-1].astype(vc_NxKxTxDh.dtype), vc_NxKxTxDh,
+                  preferred_element_type=f32)
+       + probs[..., -1:] * v_NxKxDh[:, :, None, :].astype(f32))
+  return o.astype(q_NxHxDh.dtype).reshape(N, H, Dh)
 
 
 def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *, chunk: int,
