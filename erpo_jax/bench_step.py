@@ -140,7 +140,7 @@ def build_variant(inp: StepInputs, cfg) -> StepVariant:
   v = StepVariant(cfg, settings, step_fn)
   t0 = time.perf_counter()
   v.compiled = step_fn.lower(inp.params, inp.opt_state, ref_for(inp, v), inp.batch,
-                             prompt_bucket=inp.shape["prompt_bucket"]).compile()
+                             inp.shape["prompt_bucket"]).compile()
   v.compile_s = time.perf_counter() - t0
   return v
 

@@ -208,11 +208,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       response_mask=parallel.batch_sharding(mesh, 2), rewards=parallel.batch_sharding(mesh, 1),
       ref_logp=parallel.batch_sharding(mesh, 2), static_weight=parallel.batch_sharding(mesh, 1))
   # Params and optimizer state are donated: the update happens in place in device memory.
-  # prompt_bucket (static: one compile per bucket) is the sampler's prompt length P, a bound
-  # on every prompt of the batch; None means data.max_prompt_tokens.
+  # prompt_bucket (static, positional: one compile per bucket) is the sampler's prompt length P,
+  # a bound on every prompt of the batch; None means data.max_prompt_tokens.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),
                  out_shardings=(param_shardings, opt_shardings, parallel.replicated(mesh)),
-                 donate_argnums=(0, 1), static_argnames=("prompt_bucket",))
+                 donate_argnums=(0, 1), static_argnums=(4,))
 
 
 # losses.finalize_metrics names -> the names every run logs (erpo_jax.metrics.SPEC_SCALARS).

@@ -253,7 +253,7 @@ def train(cfg: Config) -> dict[str, float]:
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(
           params, opt_state, ref_params if settings.reference == "forward" else None, update,
-          prompt_bucket=roll.tokens.shape[1] - cfg.rollout.max_new_tokens)
+          roll.tokens.shape[1] - cfg.rollout.max_new_tokens)  # the sampler's prompt bucket
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if not finite:

@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
     def layer(h, p):
       q, k, v = self._qkv(h, p, cos, sin)
       o = attention(q, k, v, mask_NxSxS)
-      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
+      h = h + dense(o, p["wo"].astype(self.dtype), 2)
       return h + self._mlp(h, p), None
 
     if self.remat:
@@ -129,9 +129,9 @@ class Transformer(nnx.Module):
   def _qkv(self, h, p, cos, sin):
     x = rms_norm(h, p["attn_norm"], self.cfg.rms_norm_eps)
     dt = self.dtype
-    q = jnp.einsum("nsd,dhk->nshk", x, p["wq"].astype(dt))
-    k = jnp.einsum("nsd,dhk->nshk", x, p["wk"].astype(dt))
-    v = jnp.einsum("nsd,dhk->nshk", x, p["wv"].astype(dt))
+    q = dense(x, p["wq"].astype(dt), 1)
+    k = dense(x, p["wk"].astype(dt), 1)
+    v = dense(x, p["wv"].astype(dt), 1)
     if self.cfg.attention_bias:
       q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -139,9 +139,9 @@ class Transformer(nnx.Module):
   def _mlp(self, h, p):
     x = rms_norm(h, p["mlp_norm"], self.cfg.rms_norm_eps)
     dt = self.dtype
-    g = jnp.einsum("nsd,df->nsf", x, p["w_gate"].astype(dt))
-    u = jnp.einsum("nsd,df->nsf", x, p["w_up"].astype(dt))
-    return jnp.einsum("nsf,fd->nsd", jax.nn.silu(g) * u, p["w_down"].astype(dt))
+    g = dense(x, p["w_gate"].astype(dt), 1)
+    u = dense(x, p["w_up"].astype(dt), 1)
+    return dense(jax.nn.silu(g) * u, p["w_down"].astype(dt), 1)
 
   def logits(self, h_NxSxD: jax.Array) -> jax.Array:
     """Float32 logits [N, S, V]; only for small S (decode, tests)."""
@@ -165,7 +165,7 @@ class Transformer(nnx.Module):
     def layer(h, p):
       q, k, v = self._qkv(h, p, cos, sin)
       o = attention(q, k, v, causal)
-      h = h + jnp.einsum("nshd,hde->nse", o, p["wo"].astype(self.dtype))
+      h = h + dense(o, p["wo"].astype(self.dtype), 2)
       return h + self._mlp(h, p), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
 
     h, (k_LxNxKxPxDh, v_LxNxKxPxDh) = jax.lax.scan(layer, h, self._layer_params())
@@ -191,7 +191,7 @@ class Transformer(nnx.Module):
       q, k, v = self._qkv(h, p, cos, sin)
       o = decode_attention(q[:, 0], ck_NxKxTxDh.astype(self.dtype), cv_NxKxTxDh.astype(self.dtype), k[:, 0],
                            v[:, 0], past_NxT)
-      h = h + jnp.einsum("nhd,hde->ne", o, p["wo"].astype(self.dtype))[:, None]
+      h = h + dense(o, p["wo"].astype(self.dtype), 2)[:, None]
       return h + self._mlp(h, p), (k[:, 0], v[:, 0])
 
     h, (k_LxNxKxDh, v_LxNxKxDh) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
@@ -203,6 +203,18 @@ class Transformer(nnx.Module):
 
 
 # ---------------------------------------------------------------------- functions
+
+
+def dense(x, w, contract: int):
+  """x [..., a1..ac] times w [a1..ac, b...] -> [..., b...] as ONE 2-D matmul.
+
+  Leading dims of x are flattened into one token axis and w's into one input
+  axis: XLA's CPU backward of a 3-D einsum transposes its big operands
+  element by element; the 2-D form runs as plain matmuls both ways.
+  """
+  lead, ins, outs = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:], w.shape[contract:]
+  y = x.reshape(math.prod(lead), math.prod(ins)) @ w.reshape(math.prod(ins), math.prod(outs))
+  return y.reshape(*lead, *outs)
 
 
 def rms_norm(x, w, eps):

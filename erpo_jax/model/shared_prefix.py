@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.model.llama import Transformer, attention, rope_tables, token_log_probs
+from erpo_jax.model.llama import Transformer, attention, dense, rope_tables, token_log_probs
 
 
 def group_attention(q_NxRxHxDh: jax.Array, kp_BxPxKxDh: jax.Array, vp_BxPxKxDh: jax.Array,
@@ -81,8 +81,8 @@ def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N
     hp, hr = carry
     qp, kp, vp = model._qkv(hp, p, cos_p, sin_p)
     qr, kr, vr = model._qkv(hr, p, cos_r, sin_r)
-    hp = hp + jnp.einsum("nshd,hde->nse", attention(qp, kp, vp, causal), wo(p))
-    hr = hr + jnp.einsum("nshd,hde->nse", group_attention(qr, kp, vp, kr, vr, len_B, G), wo(p))
+    hp = hp + dense(attention(qp, kp, vp, causal), wo(p), 2)
+    hr = hr + dense(group_attention(qr, kp, vp, kr, vr, len_B, G), wo(p), 2)
     return (hp + model._mlp(hp, p), hr + model._mlp(hr, p)), None
 
   if model.remat:
