@@ -62,6 +62,10 @@ class ModelSection:
   # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
   # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
   shared_prefix: bool = True
+  # With shared_prefix, on one batch shard and one minibatch: the responses' tokens are packed
+  # end to end (padding after each response skipped) for every per-token layer; capacity is
+  # bucketed to 256 tokens, one compile per bucket.
+  pack_responses: bool = True
 
   def __post_init__(self):
     _check(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)

@@ -110,16 +110,26 @@ def _split_rows(x, m: int):
 
 def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule, s: StepSettings, *,
                      mesh: Mesh, param_shardings, opt_shardings, ref_shardings=None):
-  """Returns step(params, opt_state, ref_params, batch, prompt_bucket=None) -> (params, opt_state, metrics).
+  """Returns step(params, opt_state, ref_params, batch, prompt_bucket=None, response_capacity=None)
+  -> (params, opt_state, metrics).
 
   prompt_bucket: static bound on the batch's prompt lengths (the sampler's prompt
   bucket); the shared-prefix forward runs prompt rows of that length.
+  response_capacity: static bound on the batch's response tokens; when given
+  (and below N*R) the shared-prefix forward packs them end to end
+  (`shared_prefix.packed_log_probs`). Both positional: jit takes no keywords here.
   """
 
-  def logp_of(params, tokens, prompt_mask, with_entropy, prompt_bucket):
+  def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     model = nnx.merge(graphdef, params)
     (N, S), G = tokens.shape, s.group_size
     P, R = min(prompt_bucket or s.max_prompt_len, S), min(s.max_response_len, S)
+    if s.shared_prefix and capacity is not None and N % G == 0 and capacity < N * R:
+      logp, entropy = shared_prefix.packed_log_probs(
+          model, tokens, prompt_mask.sum(axis=1), response_mask.sum(axis=1), G, prompt_bucket=P,
+          response_bucket=R, capacity=capacity, chunk=s.logits_chunk, temperature=s.temperature,
+          with_entropy=with_entropy)
+      return (logp, entropy) if with_entropy else logp
     # Static choice: run each group's prompt once when rows are whole groups and the
     # [B, P] + [N, R] layout holds fewer tokens than [N, S]; values and gradients are the same.
     if s.shared_prefix and N % G == 0 and (N // G) * P + N * R < N * S:
@@ -130,17 +140,22 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     return llama.log_probs(model, tokens, chunk=s.logits_chunk, temperature=s.temperature,
                            with_entropy=with_entropy)
 
-  def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None):
+  def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
+           response_capacity: int | None = None):
     N = batch.tokens.shape[0]
     M = s.minibatches
+    # Packing is over the whole batch: minibatches run unpacked.
+    capacity = response_capacity if M == 1 else None
+    whole_batch_logp = lambda p: jax.lax.stop_gradient(
+        logp_of(p, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity))
     # Advantages and weights are constants of the whole update batch.
     adv_N = losses.group_advantages(batch.rewards, s.group_size, eps=s.advantage_eps, scale=s.advantage_scale)
     if s.reference == "forward":
-      ref_logp = jax.lax.stop_gradient(logp_of(ref_params, batch.tokens, batch.prompt_mask, False, prompt_bucket))
+      ref_logp = whole_batch_logp(ref_params)
     else:
       ref_logp = batch.ref_logp
     if s.needs_old_pass:
-      old_logp = jax.lax.stop_gradient(logp_of(params, batch.tokens, batch.prompt_mask, False, prompt_bucket))
+      old_logp = whole_batch_logp(params)
     else:
       old_logp = jnp.zeros(batch.tokens.shape, jnp.float32)  # unused: sg(logp) of the one forward
     denominators = losses.global_denominators(batch.prompt_mask, batch.response_mask,
@@ -155,7 +170,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       w_N = jnp.ones((N,), jnp.float32)  # none, or dynamic from the one forward (below)
 
     def loss_fn(params, mb):
-      logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], True, prompt_bucket)
+      logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], mb["response_mask"], True, prompt_bucket,
+                             capacity)
       old = mb["old_logp"] if s.needs_old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
       if s.weights == "dynamic" and not s.needs_old_pass:
@@ -208,11 +224,10 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       response_mask=parallel.batch_sharding(mesh, 2), rewards=parallel.batch_sharding(mesh, 1),
       ref_logp=parallel.batch_sharding(mesh, 2), static_weight=parallel.batch_sharding(mesh, 1))
   # Params and optimizer state are donated: the update happens in place in device memory.
-  # prompt_bucket (static, positional: one compile per bucket) is the sampler's prompt length P,
-  # a bound on every prompt of the batch; None means data.max_prompt_tokens.
+  # prompt_bucket and response_capacity are static: one compile per value met.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),
                  out_shardings=(param_shardings, opt_shardings, parallel.replicated(mesh)),
-                 donate_argnums=(0, 1), static_argnums=(4,))
+                 donate_argnums=(0, 1), static_argnums=(4, 5))
 
 
 # losses.finalize_metrics names -> the names every run logs (erpo_jax.metrics.SPEC_SCALARS).

@@ -24,6 +24,7 @@ from flax import nnx
 from erpo_jax import distributed, parallel, train_step
 from erpo_jax.config import Config, dump_config
 from erpo_jax.errors import ConfigError, NonFiniteError, PathError
+from erpo_jax.model import shared_prefix
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -124,6 +125,19 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
                static_weight=static_w)
   return train_step.UpdateBatch(**{
       k: distributed.host_local_to_global(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
+
+
+def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
+  """Static slots for the batch's packed response tokens (all processes agree), or None: no packing.
+
+  Packing runs on one batch shard and one minibatch (the stream crosses rows).
+  """
+  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches == 1
+          and parallel.num_batch_shards(mesh) == 1):
+    return None
+  total = int(distributed.allgather_rows(np.array([int(h.response_len.sum())])).sum())
+  rows = len(h.response_len) * jax.process_count()
+  return shared_prefix.packed_capacity(total, rows * cfg.rollout.max_new_tokens)
 
 
 def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,
@@ -253,7 +267,8 @@ def train(cfg: Config) -> dict[str, float]:
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(
           params, opt_state, ref_params if settings.reference == "forward" else None, update,
-          roll.tokens.shape[1] - cfg.rollout.max_new_tokens)  # the sampler's prompt bucket
+          roll.tokens.shape[1] - cfg.rollout.max_new_tokens,  # the sampler's prompt bucket
+          response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if not finite:

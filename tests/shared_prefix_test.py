@@ -118,7 +118,12 @@ def test_rows_that_are_not_whole_groups_raise():
 
 def _loss(state, graph, shared, tokens, prompt_len, pm, rm, old, ref, adv, w, kl_on):
   model = nnx.merge(graph, state)
-  if shared:
+  if shared == "packed":
+    response_len = rm.sum(axis=1)
+    logp, ent = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
+                                               response_bucket=R, capacity=PACKED_CAPACITY, chunk=16,
+                                               with_entropy=True)
+  elif shared:
     logp, ent = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
                                                       response_bucket=R, chunk=16, with_entropy=True)
   else:
@@ -131,9 +136,11 @@ def _loss(state, graph, shared, tokens, prompt_len, pm, rm, old, ref, adv, w, kl
 _value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=(1, 2, 11))
 
 
-@pytest.mark.parametrize("cfg, kl_on, remat", [(LLAMA, "prompt", False), (QWEN2, "all", True)],
-                         ids=["llama-query-kl", "qwen2-all-kl-remat"])
-def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat):
+@pytest.mark.parametrize("cfg, kl_on, remat, layout", [
+    (LLAMA, "prompt", False, True), (QWEN2, "all", True, True),
+    (LLAMA, "all", False, "packed"), (QWEN2, "response", True, "packed")],
+    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat"])
+def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layout):
   # The prompt is computed once per group in the shared layout; its gradient must still collect
   # the contributions of all G copies (Query-KL counts every row, and responses attend to it).
   tokens, prompt_len, pm, rm = make_rows(seed=5)
@@ -148,11 +155,40 @@ def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat):
   w = rng.uniform(0.5, 2.0, B * G).astype(np.float32)
   args = (tokens, prompt_len, pm, rm, old, ref, adv, w, kl_on)
   loss_a, grads_a = _value_and_grad(state, graph, False, *args)
-  loss_b, grads_b = _value_and_grad(state, graph, True, *args)
+  loss_b, grads_b = _value_and_grad(state, graph, layout, *args)
   assert_close(loss_a, loss_b)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_a), jax.tree.leaves(grads_b)):
     assert float(jnp.abs(a).max()) > 1e-3, jax.tree_util.keystr(path)  # a real gradient reaches every leaf
     assert_close(a, b, name=jax.tree_util.keystr(path))
+
+
+PACKED_CAPACITY = 96  # >= the 80 response tokens of make_rows(seed=5), < N*R = 144 slots
+
+
+@pytest.mark.parametrize("cfg, slack", [(LLAMA, 0), (QWEN2, 7)], ids=["llama-exact-capacity", "qwen2-spare-slots"])
+def test_packed_responses_equal_plain_layout_and_are_zero_after_each_response(cfg, slack):
+  tokens, prompt_len, pm, rm = make_rows(seed=1)
+  model = tiny_model(cfg, seed=3)
+  response_len = jnp.asarray(rm.sum(axis=1))
+  capacity = int(response_len.sum()) + slack
+  assert capacity < B * G * R  # fewer slots than the unpacked [N, R] response rows
+  plain = llama.log_probs(model, tokens, chunk=16, with_entropy=True)
+  packed = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
+                                          response_bucket=R, capacity=capacity, chunk=16, with_entropy=True)
+  mask = scored(pm, rm)
+  for a, b in zip(plain, packed):
+    assert_close(np.asarray(a), np.asarray(b), mask)
+    assert np.all(np.asarray(b)[~mask] == 0)
+
+
+def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
+  response_len = jnp.array([3, 0, 5, 2])
+  idx, inv = shared_prefix.stream_index(response_len, R=5, C=12)
+  idx, inv = np.asarray(idx).reshape(4, 5), np.asarray(inv)
+  assert idx[0].tolist() == [0, 1, 2, 12, 12] and idx[1].tolist() == [12] * 5
+  assert idx[2].tolist() == [3, 4, 5, 6, 7] and idx[3].tolist() == [8, 9, 12, 12, 12]
+  assert inv.tolist() == [0, 1, 2, 10, 11, 12, 13, 14, 15, 16, 20, 20]  # slots 10, 11 unused (K = 20)
+  assert shared_prefix.packed_capacity(1427, 2048) == 1536 and shared_prefix.packed_capacity(3000, 2048) == 2048
 
 
 def test_shared_layout_needs_fewer_flops():

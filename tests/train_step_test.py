@@ -218,3 +218,23 @@ def test_shared_prefix_step_equals_the_plain_layout():
     out[shared] = {k: float(v) for k, v in step(params, opt, ref, batch)[2].items()}
   for key, value in out[False].items():
     assert out[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_packed_responses_step_equals_the_unpacked_step():
+  caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-3", "erpo.kl_on=all",
+          "erpo.alpha=0.5", "erpo.weights=dynamic"]
+  batch = make_batch()
+  R = 16
+  response_tokens = int(np.minimum(np.asarray(batch.response_mask).sum(axis=1), R).sum())
+  capacity = response_tokens + 3
+  assert capacity < B * G * R  # fewer slots than the unpacked response rows: the packed forward runs
+  out = {}
+  for cap in (None, capacity):
+    step, _, params, ref, opt = build(tiny_cfg(*caps))
+    new_params, _, metrics = step(params, opt, ref, batch, None, cap)
+    out[cap] = ({k: float(v) for k, v in metrics.items()}, [np.asarray(x) for x in jax.tree.leaves(new_params)])
+  for key, value in out[None][0].items():
+    assert out[capacity][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+  for a, b in zip(out[None][1], out[capacity][1]):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert abs(out[None][0]["loss/total"]) > 1e-3

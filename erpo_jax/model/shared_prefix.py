@@ -134,3 +134,127 @@ def _to_rows(values_M: jax.Array, len_N: jax.Array, B: int, G: int, P: int, R: i
   response_NxS = jnp.take_along_axis(response_NxR, jnp.clip(r_NxS, 0, R - 1), axis=1)
   out = jnp.where(r_NxS < 0, prompt_NxS, jnp.where(r_NxS < R, response_NxS, 0.0))
   return jnp.where(t_NxS >= 1, out, 0.0)
+
+
+# ---------------------------------------------------------------------- packed responses
+#
+# C is a static token capacity >= the batch's response tokens. Response token r
+# of row n sits at stream slot start_n + r (start_n = tokens of rows before n):
+# the per-token work (norms, projections, MLP, lm-head) runs on C slots instead
+# of N*R, and only attention sees the [N, R] layout, gathered per layer.
+
+
+def stream_index(response_len_N: jax.Array, R: int, C: int) -> tuple[jax.Array, jax.Array]:
+  """(idx_K, inv_C), K = N*R: idx_K[n*R + r] = stream slot of response token r of row n, or C for
+  padding (r >= its length); inv_C[c] = n*R + r of the token in slot c, or K for an unused slot."""
+  N = response_len_N.shape[0]
+  len_N = jnp.minimum(response_len_N.astype(jnp.int32), R)
+  start_N = jnp.cumsum(len_N) - len_N
+  r = jnp.arange(R, dtype=jnp.int32)
+  idx_NxR = jnp.where(r[None, :] < len_N[:, None], start_N[:, None] + r[None, :], C)
+  inv_C = jnp.full((C + 1,), N * R, jnp.int32).at[idx_NxR.reshape(-1)].set(jnp.arange(N * R, dtype=jnp.int32))
+  return idx_NxR.reshape(-1), inv_C[:C]
+
+
+@jax.custom_vjp
+def take_rows(x_MxF: jax.Array, idx_K: jax.Array, inv_M: jax.Array) -> jax.Array:
+  """y[k] = x[idx[k]], zero where idx[k] == M. idx and inv are inverse partial maps (each row of x
+  is taken at most once, by k = inv[m], else inv[m] == K), so the gradient is a gather too, not a
+  scatter-add."""
+  zero = jnp.zeros((1,) + x_MxF.shape[1:], x_MxF.dtype)
+  return jnp.take(jnp.concatenate([x_MxF, zero]), idx_K, axis=0)
+
+
+def _take_rows_fwd(x, idx, inv):
+  return take_rows(x, idx, inv), (idx, inv)
+
+
+def _take_rows_bwd(res, dy):
+  idx, inv = res
+  return take_rows(dy, inv, idx), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
+                  group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int):
+  """`shared_prefix_hidden` with the response tokens packed into C = capacity stream slots.
+
+  Returns (hp_BxPxD, hs_CxD, tokens_BxP, tokens_C, idx_K, inv_C). Requires
+  sum(min(response_len, R)) <= C; slots past that hold token 0 and are ignored.
+  """
+  N, S = tokens_NxS.shape
+  G = group_size
+  if N % G:
+    raise ValueError(f"packed responses: {N} rows are not whole groups of {G}")
+  B, P, R, C = N // G, min(prompt_bucket, S), min(response_bucket, S), capacity
+  len_N = prompt_len_N.astype(jnp.int32)
+  len_B = len_N.reshape(B, G)[:, 0]
+  tokens_BxP = tokens_NxS.reshape(B, G, S)[:, 0, :P]
+  pos_NxR = len_N[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+  tokens_NxR = jnp.take_along_axis(tokens_NxS, jnp.minimum(pos_NxR, S - 1), axis=1)
+  idx_K, inv_C = stream_index(response_len_N, R, C)
+  tokens_C = jnp.take(jnp.append(tokens_NxR.reshape(-1), 0), inv_C)
+  pos_C = jnp.take(jnp.append(pos_NxR.reshape(-1), 0), inv_C)
+  cos_p, sin_p = rope_tables(jnp.broadcast_to(jnp.arange(P), (B, P)), model.cfg)
+  cos_s, sin_s = rope_tables(pos_C[None], model.cfg)
+  causal = jnp.tril(jnp.ones((P, P), bool))[None]
+  wo = lambda p: p["wo"].astype(model.dtype)
+  to_rows = lambda x_1xCxHxDh: take_rows(x_1xCxHxDh.reshape(C, -1), idx_K, inv_C).reshape(
+      N, R, *x_1xCxHxDh.shape[2:])
+
+  def layer(carry, p):
+    hp, hs = carry  # [B, P, D], [1, C, D]
+    qp, kp, vp = model._qkv(hp, p, cos_p, sin_p)
+    qs, ks, vs = model._qkv(hs, p, cos_s, sin_s)
+    o_NxRxHxDh = group_attention(to_rows(qs), kp, vp, to_rows(ks), to_rows(vs), len_B, G)
+    o_1xCxHxDh = take_rows(o_NxRxHxDh.reshape(N * R, -1), inv_C, idx_K).reshape(1, C, *qs.shape[2:])
+    hp = hp + dense(attention(qp, kp, vp, causal), wo(p), 2)
+    hs = hs + dense(o_1xCxHxDh, wo(p), 2)
+    return (hp + model._mlp(hp, p), hs + model._mlp(hs, p)), None
+
+  if model.remat:
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  (hp, hs), _ = jax.lax.scan(layer, (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_C[None])),
+                             model._layer_params())
+  return model.final_hidden(hp), model.final_hidden(hs)[0], tokens_BxP, tokens_C, idx_K, inv_C
+
+
+def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
+                     group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int, chunk: int = 1024,
+                     temperature: float = 1.0, with_entropy: bool = False):
+  """`shared_prefix_log_probs` on packed responses: the same values at prompt positions and at the
+  response tokens (t < len_n + response_len_n), 0 after them. Needs sum(response_len) <= capacity."""
+  N, S = tokens_NxS.shape
+  G = group_size
+  hp, hs, tokens_BxP, tokens_C, idx_K, inv_C = packed_hidden(
+      model, tokens_NxS, prompt_len_N, response_len_N, G, prompt_bucket=prompt_bucket,
+      response_bucket=response_bucket, capacity=capacity)
+  (B, P, D), C = hp.shape, hs.shape[0]
+  R = idx_K.shape[0] // N
+  len_N = prompt_len_N.astype(jnp.int32)
+  last_B = jnp.clip(len_N.reshape(B, G)[:, 0] - 1, 0, P - 1)
+  h_last_BxD = jnp.take_along_axis(hp, last_B[:, None, None], axis=1)[:, 0]
+  # Slot c holds token r of row n; it is predicted by slot c - 1 (token r - 1), or at r = 0 by
+  # the prompt's last hidden state.
+  row_C, r_C = jnp.minimum(inv_C // R, N - 1), inv_C % R
+  prev_CxD = jnp.concatenate([jnp.zeros((1, D), hs.dtype), hs[:-1]])
+  h_in_CxD = jnp.where((r_C == 0)[:, None], jnp.take(h_last_BxD, row_C // G, axis=0), prev_CxD)
+  h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_CxD])
+  targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_C])
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
+                                  temperature=temperature, with_entropy=with_entropy)
+  split = B * (P - 1)
+
+  def to_layout(values_M):
+    response_K = take_rows(values_M[split:, None], idx_K, inv_C)[:, 0]
+    return _to_rows(jnp.concatenate([values_M[:split], response_K]), len_N, B, G, P, R, S)
+
+  return to_layout(logp_M), (to_layout(ent_M) if with_entropy else None)
+
+
+def packed_capacity(response_tokens: int, slots: int, multiple: int = 256) -> int:
+  """Static capacity for `response_tokens` packed tokens: the next multiple of `multiple`, at most
+  `slots` (= N*R, the unpacked layout). Few distinct values: one compile each."""
+  return min(slots, max(multiple, -(-response_tokens // multiple) * multiple))
