@@ -138,8 +138,8 @@ _value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=(1, 2, 11))
 
 @pytest.mark.parametrize("cfg, kl_on, remat, layout", [
     (LLAMA, "prompt", False, True), (QWEN2, "all", True, True),
-    (LLAMA, "all", False, "packed"), (QWEN2, "response", True, "packed")],
-    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat"])
+    (LLAMA, "all", False, "packed"), (QWEN2, "response", "dots", "packed")],
+    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat-dots"])
 def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layout):
   # The prompt is computed once per group in the shared layout; its gradient must still collect
   # the contributions of all G copies (Query-KL counts every row, and responses attend to it).

@@ -43,7 +43,7 @@ class Transformer(nnx.Module):
   """Decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype="float32", param_dtype="float32",
-               remat: bool = False):
+               remat: bool | str = False):
     self.cfg = cfg
     self.dtype = as_dtype(dtype)
     self.remat = remat
@@ -80,6 +80,16 @@ class Transformer(nnx.Module):
       self.lm_head = normal((D, V), D, ("embed", "vocab"))
 
   # ------------------------------------------------------------------ pieces
+
+  def rematerialised(self, layer_fn):
+    """layer_fn under the model's remat setting: False = keep every activation, True or "full" =
+    keep only the layer inputs, "dots" = keep the projections' outputs and recompute the rest
+    (norms, RoPE, softmax, SwiGLU)."""
+    if not self.remat:
+      return layer_fn
+    policies = {True: jax.checkpoint_policies.nothing_saveable, "full": jax.checkpoint_policies.nothing_saveable,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    return jax.checkpoint(layer_fn, policy=policies[self.remat])
 
   def _layer_params(self) -> dict:
     names = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "mlp_norm"]
@@ -121,9 +131,7 @@ class Transformer(nnx.Module):
       h = h + dense(o, p["wo"].astype(self.dtype), 2)
       return h + self._mlp(h, p), None
 
-    if self.remat:
-      layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-    h, _ = jax.lax.scan(layer, h, self._layer_params())
+    h, _ = jax.lax.scan(self.rematerialised(layer), h, self._layer_params())
     return self.final_hidden(h)
 
   def _qkv(self, h, p, cos, sin):

@@ -121,7 +121,8 @@ def load_model(model: config_lib.ModelSection, *,
   """
   tokenizer = load_tokenizer(model)
   kind, where = _source(model.path, "model.path")
-  opts = dict(dtype=model.dtype, param_dtype=model.param_dtype, remat=model.remat, sharding_for=sharding_for)
+  opts = dict(dtype=model.dtype, param_dtype=model.param_dtype, remat=model.remat and model.remat_policy,
+              sharding_for=sharding_for)
   if kind == "random":
     if model.random_init.vocab_size < tokenizer.vocab_size:
       raise ConfigError(f"model.random_init.vocab_size: expected >= {tokenizer.vocab_size} (the tokenizer's "

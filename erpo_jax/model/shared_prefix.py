@@ -85,9 +85,7 @@ def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N
     hr = hr + dense(group_attention(qr, kp, vp, kr, vr, len_B, G), wo(p), 2)
     return (hp + model._mlp(hp, p), hr + model._mlp(hr, p)), None
 
-  if model.remat:
-    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  (hp, hr), _ = jax.lax.scan(layer, (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_NxR)),
+  (hp, hr), _ = jax.lax.scan(model.rematerialised(layer), (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_NxR)),
                              model._layer_params())
   return model.final_hidden(hp), model.final_hidden(hr), tokens_BxP, tokens_NxR
 
@@ -214,9 +212,7 @@ def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.A
     hs = hs + dense(o_1xCxHxDh, wo(p), 2)
     return (hp + model._mlp(hp, p), hs + model._mlp(hs, p)), None
 
-  if model.remat:
-    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  (hp, hs), _ = jax.lax.scan(layer, (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_C[None])),
+  (hp, hs), _ = jax.lax.scan(model.rematerialised(layer), (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_C[None])),
                              model._layer_params())
   return model.final_hidden(hp), model.final_hidden(hs)[0], tokens_BxP, tokens_C, idx_K, inv_C
 
