@@ -58,16 +58,12 @@ class ModelSection:
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
   remat: bool = True  # recompute in the backward pass what remat_policy does not keep
-  # dots: keep the projections' outputs, recompute norms, RoPE, softmax, SwiGLU (step 15.2 s, 5.2 GB
-  # on the bench workload); full: keep only each layer's input (16.5 s, 4.6 GB); remat off: 15.6 s, 8.4 GB.
-  remat_policy: Literal["dots", "full"] = "dots"
+  remat_policy: Literal["dots", "full"] = "dots"  # dots: keep matmul outputs; full: only layer inputs
   logits_chunk: int = 128  # tokens per chunk of the lm-head in log-probs (never the full [N,S,V])
   # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
   # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
   shared_prefix: bool = True
-  # With shared_prefix, on one batch shard and one minibatch: the responses' tokens are packed
-  # end to end (padding after each response skipped) for every per-token layer; capacity is
-  # bucketed to 256 tokens, one compile per bucket.
+  # With shared_prefix, one batch shard and one minibatch: responses packed end to end, no padding.
   pack_responses: bool = True
 
   def __post_init__(self):

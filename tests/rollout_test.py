@@ -15,7 +15,8 @@ from flax import nnx
 from erpo_jax.errors import DataError
 from erpo_jax.model import llama
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.rollout import Sampler, categorical, greedy_reference, prompt_bucket, sample_token
+from erpo_jax.rollout import Sampler, greedy_reference, prompt_bucket
+from erpo_jax.sampling import categorical, sample_token
 
 V = 64
 # Untied lm-head: a tied random model mostly repeats its input token, which makes dull samples.

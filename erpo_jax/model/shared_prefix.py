@@ -15,6 +15,7 @@ the plain layout do. Prompt work drops from N*P to B*P tokens.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,32 +63,61 @@ def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N
   query, so the causal mask keeps them out). Returns (hp_BxPxD, hr_NxRxD,
   tokens_BxP, response_tokens_NxR).
   """
+  g = group_layout(model, tokens_NxS, prompt_len_N, group_size, prompt_bucket, response_bucket)
+  cos_r, sin_r = rope_tables(g.pos_NxR, model.cfg)
+
+  def layer(carry, p):
+    hp, hr = carry
+    qr, kr, vr = model._qkv(hr, p, cos_r, sin_r)
+    hp, kp, vp = g.prompt_layer(model, hp, p)
+    hr = hr + dense(group_attention(qr, kp, vp, kr, vr, g.len_B, g.G), p["wo"].astype(model.dtype), 2)
+    return (hp, hr + model._mlp(hr, p)), None
+
+  h0 = (model.embed_tokens(g.tokens_BxP), model.embed_tokens(g.tokens_NxR))
+  (hp, hr), _ = jax.lax.scan(model.rematerialised(layer), h0, model._layer_params())
+  return model.final_hidden(hp), model.final_hidden(hr), g.tokens_BxP, g.tokens_NxR
+
+
+class GroupLayout(NamedTuple):
+  """What both training layouts derive from group-contiguous rows: B prompt rows of P tokens
+  (each group's prompt once) and N response rows of R tokens at their true positions."""
+
+  G: int
+  len_N: jax.Array  # [N] prompt lengths
+  len_B: jax.Array  # [B]
+  tokens_BxP: jax.Array
+  pos_NxR: jax.Array  # len_n + r
+  tokens_NxR: jax.Array  # tokens[n, len_n + r]; positions past S repeat the last token
+  rope_p: tuple[jax.Array, jax.Array]  # cos, sin of the prompt rows
+
+  def prompt_layer(self, model: Transformer, hp_BxPxD, p):
+    """One layer on the prompt rows: (next hp, their keys, their values) for the responses."""
+    qp, kp, vp = model._qkv(hp_BxPxD, p, *self.rope_p)
+    P = hp_BxPxD.shape[1]
+    o = attention(qp, kp, vp, jnp.tril(jnp.ones((P, P), bool))[None])
+    hp = hp_BxPxD + dense(o, p["wo"].astype(model.dtype), 2)
+    return hp + model._mlp(hp, p), kp, vp
+
+
+def last_prompt_hidden(hp_BxPxD: jax.Array, prompt_len_N: jax.Array, G: int) -> jax.Array:
+  """[B, D]: the hidden state at each prompt's last token, which predicts the first response token."""
+  B, P = hp_BxPxD.shape[:2]
+  last_B = jnp.clip(prompt_len_N.astype(jnp.int32).reshape(B, G)[:, 0] - 1, 0, P - 1)
+  return jnp.take_along_axis(hp_BxPxD, last_B[:, None, None], axis=1)[:, 0]
+
+
+def group_layout(model: Transformer, tokens_NxS, prompt_len_N, G: int, prompt_bucket: int,
+                 response_bucket: int) -> GroupLayout:
   N, S = tokens_NxS.shape
-  G = group_size
   if N % G:
     raise ValueError(f"shared prefix: {N} rows are not whole groups of {G}")
   B, P, R = N // G, min(prompt_bucket, S), min(response_bucket, S)
   len_N = prompt_len_N.astype(jnp.int32)
-  len_B = len_N.reshape(B, G)[:, 0]
-  tokens_BxP = tokens_NxS.reshape(B, G, S)[:, 0, :P]
   pos_NxR = len_N[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-  tokens_NxR = jnp.take_along_axis(tokens_NxS, jnp.minimum(pos_NxR, S - 1), axis=1)
-  cos_p, sin_p = rope_tables(jnp.broadcast_to(jnp.arange(P), (B, P)), model.cfg)
-  cos_r, sin_r = rope_tables(pos_NxR, model.cfg)
-  causal = jnp.tril(jnp.ones((P, P), bool))[None]  # [1, P, P]
-  wo = lambda p: p["wo"].astype(model.dtype)
-
-  def layer(carry, p):
-    hp, hr = carry
-    qp, kp, vp = model._qkv(hp, p, cos_p, sin_p)
-    qr, kr, vr = model._qkv(hr, p, cos_r, sin_r)
-    hp = hp + dense(attention(qp, kp, vp, causal), wo(p), 2)
-    hr = hr + dense(group_attention(qr, kp, vp, kr, vr, len_B, G), wo(p), 2)
-    return (hp + model._mlp(hp, p), hr + model._mlp(hr, p)), None
-
-  (hp, hr), _ = jax.lax.scan(model.rematerialised(layer), (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_NxR)),
-                             model._layer_params())
-  return model.final_hidden(hp), model.final_hidden(hr), tokens_BxP, tokens_NxR
+  return GroupLayout(
+      G=G, len_N=len_N, len_B=len_N.reshape(B, G)[:, 0], tokens_BxP=tokens_NxS.reshape(B, G, S)[:, 0, :P],
+      pos_NxR=pos_NxR, tokens_NxR=jnp.take_along_axis(tokens_NxS, jnp.minimum(pos_NxR, S - 1), axis=1),
+      rope_p=rope_tables(jnp.broadcast_to(jnp.arange(P), (B, P)), model.cfg))
 
 
 def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
@@ -109,8 +139,7 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
       model, tokens_NxS, prompt_len_N, G, prompt_bucket=prompt_bucket, response_bucket=response_bucket)
   (B, P, D), R = hp.shape, tokens_NxR.shape[1]
   len_N = prompt_len_N.astype(jnp.int32)
-  last_B = jnp.clip(len_N.reshape(B, G)[:, 0] - 1, 0, P - 1)
-  h_last_NxD = jnp.repeat(jnp.take_along_axis(hp, last_B[:, None, None], axis=1)[:, 0], G, axis=0)
+  h_last_NxD = jnp.repeat(last_prompt_hidden(hp, len_N, G), G, axis=0)
   # Response row n predicts its R tokens from [h at len_n - 1, hr[:, :R-1]].
   h_in_NxRxD = jnp.concatenate([h_last_NxD[:, None], hr[:, :-1]], axis=1)
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_NxRxD.reshape(-1, D)])
@@ -182,39 +211,28 @@ def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.A
   Returns (hp_BxPxD, hs_CxD, tokens_BxP, tokens_C, idx_K, inv_C). Requires
   sum(min(response_len, R)) <= C; slots past that hold token 0 and are ignored.
   """
-  N, S = tokens_NxS.shape
-  G = group_size
-  if N % G:
-    raise ValueError(f"packed responses: {N} rows are not whole groups of {G}")
-  B, P, R, C = N // G, min(prompt_bucket, S), min(response_bucket, S), capacity
-  len_N = prompt_len_N.astype(jnp.int32)
-  len_B = len_N.reshape(B, G)[:, 0]
-  tokens_BxP = tokens_NxS.reshape(B, G, S)[:, 0, :P]
-  pos_NxR = len_N[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-  tokens_NxR = jnp.take_along_axis(tokens_NxS, jnp.minimum(pos_NxR, S - 1), axis=1)
+  N = tokens_NxS.shape[0]
+  g = group_layout(model, tokens_NxS, prompt_len_N, group_size, prompt_bucket, response_bucket)
+  R, C = g.tokens_NxR.shape[1], capacity
   idx_K, inv_C = stream_index(response_len_N, R, C)
-  tokens_C = jnp.take(jnp.append(tokens_NxR.reshape(-1), 0), inv_C)
-  pos_C = jnp.take(jnp.append(pos_NxR.reshape(-1), 0), inv_C)
-  cos_p, sin_p = rope_tables(jnp.broadcast_to(jnp.arange(P), (B, P)), model.cfg)
+  tokens_C = jnp.take(jnp.append(g.tokens_NxR.reshape(-1), 0), inv_C)
+  pos_C = jnp.take(jnp.append(g.pos_NxR.reshape(-1), 0), inv_C)
   cos_s, sin_s = rope_tables(pos_C[None], model.cfg)
-  causal = jnp.tril(jnp.ones((P, P), bool))[None]
-  wo = lambda p: p["wo"].astype(model.dtype)
   to_rows = lambda x_1xCxHxDh: take_rows(x_1xCxHxDh.reshape(C, -1), idx_K, inv_C).reshape(
       N, R, *x_1xCxHxDh.shape[2:])
 
   def layer(carry, p):
     hp, hs = carry  # [B, P, D], [1, C, D]
-    qp, kp, vp = model._qkv(hp, p, cos_p, sin_p)
     qs, ks, vs = model._qkv(hs, p, cos_s, sin_s)
-    o_NxRxHxDh = group_attention(to_rows(qs), kp, vp, to_rows(ks), to_rows(vs), len_B, G)
+    hp, kp, vp = g.prompt_layer(model, hp, p)
+    o_NxRxHxDh = group_attention(to_rows(qs), kp, vp, to_rows(ks), to_rows(vs), g.len_B, g.G)
     o_1xCxHxDh = take_rows(o_NxRxHxDh.reshape(N * R, -1), inv_C, idx_K).reshape(1, C, *qs.shape[2:])
-    hp = hp + dense(attention(qp, kp, vp, causal), wo(p), 2)
-    hs = hs + dense(o_1xCxHxDh, wo(p), 2)
-    return (hp + model._mlp(hp, p), hs + model._mlp(hs, p)), None
+    hs = hs + dense(o_1xCxHxDh, p["wo"].astype(model.dtype), 2)
+    return (hp, hs + model._mlp(hs, p)), None
 
-  (hp, hs), _ = jax.lax.scan(model.rematerialised(layer), (model.embed_tokens(tokens_BxP), model.embed_tokens(tokens_C[None])),
-                             model._layer_params())
-  return model.final_hidden(hp), model.final_hidden(hs)[0], tokens_BxP, tokens_C, idx_K, inv_C
+  h0 = (model.embed_tokens(g.tokens_BxP), model.embed_tokens(tokens_C[None]))
+  (hp, hs), _ = jax.lax.scan(model.rematerialised(layer), h0, model._layer_params())
+  return model.final_hidden(hp), model.final_hidden(hs)[0], g.tokens_BxP, tokens_C, idx_K, inv_C
 
 
 def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
@@ -230,8 +248,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   (B, P, D), C = hp.shape, hs.shape[0]
   R = idx_K.shape[0] // N
   len_N = prompt_len_N.astype(jnp.int32)
-  last_B = jnp.clip(len_N.reshape(B, G)[:, 0] - 1, 0, P - 1)
-  h_last_BxD = jnp.take_along_axis(hp, last_B[:, None, None], axis=1)[:, 0]
+  h_last_BxD = last_prompt_hidden(hp, len_N, G)
   # Slot c holds token r of row n; it is predicted by slot c - 1 (token r - 1), or at r = 0 by
   # the prompt's last hidden state.
   row_C, r_C = jnp.minimum(inv_C // R, N - 1), inv_C % R
