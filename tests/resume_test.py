@@ -42,7 +42,9 @@ def test_sigkill_after_step_5_resumes_bit_identical_with_each_step_logged_once(t
   tiny_runs.reference_run()
   run_dir = tmp_path / "run"
   t = Training(run_dir)
-  assert t.wait_for(lambda: 5 in metrics_steps(run_dir)), t.stderr()[-3000:]
+  # Checkpoints are written asynchronously: step 4's may still be in flight when
+  # line 5 is logged, so wait for both (step 6's save waits for step 4's anyway).
+  assert t.wait_for(lambda: 5 in metrics_steps(run_dir) and 4 in complete_steps(run_dir)), t.stderr()[-3000:]
   t.kill()
   assert t.proc.returncode == -signal.SIGKILL
   _check_after_kill(run_dir)
