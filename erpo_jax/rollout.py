@@ -147,18 +147,19 @@ class Sampler:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
   def _prefill_fn(self, state, tokens_BxP, len_B, *, group_size):
-    """Prefills each prompt once, then repeats its cache and last logits G times (rows b*G + g)."""
+    """Prefills each prompt once, then repeats its cache and last logits G times (rows b*G + g).
+
+    The cache has T = P + M slots per row: the prompt in [0, P), decode token t in P + t.
+    """
     self.traces += 1
     model = nnx.merge(self.graphdef, state)
     tokens_BxP = self._constrain(tokens_BxP, 0)
-    h_BxPxD, cache = model.prefill(tokens_BxP, model.init_cache(*tokens_BxP.shape))
+    h_BxPxD, cache = model.prefill(tokens_BxP, tokens_BxP.shape[1])
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    # [L, B, K, P, Dh] -> [L, N, K, T, Dh]: slots [P, T) are filled by the decode.
-    widen = ((0, 0), (0, 0), (0, 0), (0, self.max_new_tokens), (0, 0))
-    k = jnp.pad(jnp.repeat(cache.k, group_size, axis=1), widen)
-    v = jnp.pad(jnp.repeat(cache.v, group_size, axis=1), widen)
-    cache = KVCache(self._constrain(k, 1), self._constrain(v, 1))
+    widen = ((0, 0), (0, 0), (0, self.max_new_tokens), (0, 0))
+    grow = lambda x: self._constrain(jnp.pad(jnp.repeat(x, group_size, axis=0), widen), 0)
+    cache = [KVCache(grow(c.k), grow(c.v)) for c in cache]
     return cache, self._constrain(jnp.repeat(logits_BxV, group_size, axis=0), 0)
 
   def _decode_fn(self, state, cache, logits_NxV, tokens_BxP, len_B, cut_N, key, temperature, group_id_offset,
@@ -187,10 +188,15 @@ class Sampler:
       t, _, _, _, done_N, _ = carry
       return (t < M - 1) & ~jnp.all(done_N)
 
+    layers = model.layer_list()
+    slot_T = jnp.arange(P + M)
+
     def body(carry):
-      # Token t (already drawn) goes in at position len + t; its output draws token t + 1.
+      # Token t (already drawn) goes in at RoPE position len + t and cache slot P + t; its output
+      # draws token t + 1. A row attends to its prompt [0, len) and to slots [P, P + t].
       t, tok_N, resp_NxM, resp_logp_NxM, done_N, cache = carry
-      h_NxD, cache = model.decode(tok_N, len_N + t, cache)
+      attend_NxT = (slot_T[None] < len_N[:, None]) | ((slot_T[None] >= P) & (slot_T[None] <= P + t))
+      h_NxD, cache = model.decode(tok_N, len_N + t, P + t, attend_NxT, cache, layers)
       nxt_N, logp_N = draw(model.logits(h_NxD[:, None])[:, 0], jax.random.fold_in(key, t + 1))
       live_N = ~done_N
       nxt_N = jnp.where(live_N, nxt_N, self.pad_id)
@@ -220,7 +226,7 @@ class Sampler:
                       response_len=resp_len_N, prompt_truncated=cut_N)
     # Rows stay batch-sharded, so each process can read back just its own rows.
     rollout = jax.tree.map(lambda x: self._constrain(x, 0), rollout)
-    # Returning the cache lets XLA alias it to the donated input: the loop runs in that buffer.
+    # Returning the cache lets XLA alias it to the donated input: the loop runs in those buffers.
     return rollout, cache
 
 

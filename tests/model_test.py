@@ -49,17 +49,17 @@ def _full_logits(graph, state, tokens):
   return (m := nnx.merge(graph, state)).logits(m.hidden(tokens))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _prefill(graph, state, tokens_NxP, cache):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _prefill(graph, state, tokens_NxP, length):
   m = nnx.merge(graph, state)
-  h, cache = m.prefill(tokens_NxP, cache)
+  h, cache = m.prefill(tokens_NxP, length)
   return m.logits(h), cache
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _decode(graph, state, tokens_N, positions_N, cache):
+def _decode(graph, state, tokens_N, positions_N, slot, attend_NxT, cache):
   m = nnx.merge(graph, state)
-  h, cache = m.decode(tokens_N, positions_N, cache)
+  h, cache = m.decode(tokens_N, positions_N, slot, attend_NxT, cache)
   return m.logits(h[:, None])[:, 0], cache
 
 
@@ -88,18 +88,25 @@ def test_tiny_llama_fixture_depends_on_llama3_rope_scaling():
 
 
 def test_kv_cache_decode_matches_full_forward():
-  """Right-padded prompts of lengths 3, 7, 12, then 6 decode steps, each row at its own position."""
+  """Right-padded prompts of lengths 3, 7, 12, then 6 decode steps, each row at its own position.
+
+  Decode token t of every row sits in cache slot 12 + t; a row attends to its
+  prompt slots [0, len) and to slots [12, 12 + t], never to the padding.
+  """
   graph, state = nnx.split(net := tiny("tiny_qwen2"))
   tokens = jnp.asarray(reference("tiny_qwen2")["tokens"][:, :20])
   lengths = jnp.array([3, 7, 12])
   full = _full_logits(graph, state, tokens)  # [N, 20, V]
   prompt = jnp.where(jnp.arange(12)[None] < lengths[:, None], tokens[:, :12], 0)
-  logits, cache = _prefill(graph, state, prompt, net.init_cache(3, 20))
+  logits, cache = _prefill(graph, state, prompt, 20)
+  assert len(cache) == net.cfg.num_layers and cache[0].k.shape == (3, net.cfg.num_kv_heads, 20, net.cfg.head_dim)
   rows = jnp.arange(3)
   np.testing.assert_allclose(logits[rows, lengths - 1], full[rows, lengths - 1], atol=1e-5, rtol=0)
+  slots = jnp.arange(20)[None]
   for t in range(6):
     pos = lengths + t
-    logits, cache = _decode(graph, state, tokens[rows, pos], pos, cache)
+    attend = (slots < lengths[:, None]) | ((slots >= 12) & (slots <= 12 + t))
+    logits, cache = _decode(graph, state, tokens[rows, pos], pos, jnp.int32(12 + t), attend, cache)
     np.testing.assert_allclose(logits, full[rows, pos], atol=1e-5, rtol=0)
 
 
@@ -324,9 +331,12 @@ def test_smollm2_greedy_answers_7_plus_5(smollm2):
   graph, state = nnx.split(net := smollm2[0])
   tok = smollm2[1]
   prompt = tok.encode(tok.render_chat([{"role": "user", "content": "What is 7+5?"}]))
-  logits, cache = _prefill(graph, state, jnp.asarray([prompt]), net.init_cache(1, len(prompt) + 16))
+  T = len(prompt) + 16
+  logits, cache = _prefill(graph, state, jnp.asarray([prompt]), T)
   out = [int(jnp.argmax(logits[0, -1]))]
   while out[-1] not in tok.eos_ids and len(out) < 16:
-    logits, cache = _decode(graph, state, jnp.asarray(out[-1:]), jnp.asarray([len(prompt) + len(out) - 1]), cache)
+    pos = len(prompt) + len(out) - 1
+    logits, cache = _decode(graph, state, jnp.asarray(out[-1:]), jnp.asarray([pos]), jnp.int32(pos),
+                            jnp.arange(T)[None] <= pos, cache)
     out.append(int(jnp.argmax(logits[0])))
   assert tok.decode(out) == "7 + 5 = 12."

@@ -5,7 +5,8 @@ D hidden, H query heads, K key/value heads, Dh head dim, F MLP width, V vocab,
 L layers, C tokens per lm-head chunk.
 
 Weights of all layers are stacked on a leading L axis and applied with one
-`lax.scan`, so a 30-layer model compiles as fast as a 1-layer one. Every
+`lax.scan`, so a 30-layer model compiles as fast as a 1-layer one; only the
+one-token decode step runs its layers unrolled over per-layer buffers. Every
 parameter carries logical axis names (`axes` metadata) that
 `erpo_jax.parallel` maps onto a device mesh.
 """
@@ -32,8 +33,9 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every layer: [L, N, K, T, Dh] each (heads before slots: a row's
-  head reads its T slots as one contiguous block)."""
+  """One layer's keys and values, [N, K, T, Dh] each (heads before slots: a row's head reads its
+  T slots as one contiguous block). A model's cache is a list of L of them: separate buffers,
+  so a decode step updates each in place."""
 
   k: jax.Array
   v: jax.Array
@@ -157,13 +159,24 @@ class Transformer(nnx.Module):
 
   # ------------------------------------------------------------------ KV cache
 
-  def init_cache(self, batch: int, length: int) -> KVCache:
-    c = self.cfg
-    shape = (c.num_layers, batch, c.num_kv_heads, length, c.head_dim)
-    return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+  def layer_list(self) -> list[dict]:
+    """Each layer's weights as arrays of their own, for a loop that runs every layer many times.
 
-  def prefill(self, tokens_NxP: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Runs right-padded prompts, writes cache slots [0, P); returns hidden [N, P, D]."""
+    Decoding with the layer scan would slice, i.e. copy, each layer's weights
+    out of the stacked params on every token step (the whole model per token
+    on XLA's CPU backend); these slices are made once and then read in place.
+    """
+    p = self._layer_params()
+    return [{n: w[i] for n, w in p.items()} for i in range(self.cfg.num_layers)]
+
+  def init_cache(self, batch: int, length: int) -> list[KVCache]:
+    c = self.cfg
+    shape = (batch, c.num_kv_heads, length, c.head_dim)
+    return [KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers)]
+
+  def prefill(self, tokens_NxP: jax.Array, length: int) -> tuple[jax.Array, list[KVCache]]:
+    """Runs right-padded prompts; returns hidden [N, P, D] and a cache of `length` >= P slots per row
+    holding the prompt's keys and values in slots [0, P)."""
     N, P = tokens_NxP.shape
     positions = jnp.broadcast_to(jnp.arange(P), (N, P))
     h = self.embed_tokens(tokens_NxP)
@@ -177,37 +190,34 @@ class Transformer(nnx.Module):
       return h + self._mlp(h, p), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
 
     h, (k_LxNxKxPxDh, v_LxNxKxPxDh) = jax.lax.scan(layer, h, self._layer_params())
-    ck = jax.lax.dynamic_update_slice(cache.k, k_LxNxKxPxDh.astype(cache.k.dtype), (0, 0, 0, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cache.v, v_LxNxKxPxDh.astype(cache.v.dtype), (0, 0, 0, 0, 0))
-    return self.final_hidden(h), KVCache(ck, cv)
+    widen = ((0, 0), (0, 0), (0, length - P), (0, 0))
+    cache = [KVCache(jnp.pad(k_LxNxKxPxDh[i], widen), jnp.pad(v_LxNxKxPxDh[i], widen))
+             for i in range(self.cfg.num_layers)]
+    return self.final_hidden(h), cache
 
-  def decode(self, tokens_N: jax.Array, positions_N: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """One token per row at its own position; writes the cache there; returns hidden [N, D].
+  def decode(self, tokens_N: jax.Array, positions_N: jax.Array, slot: jax.Array, attend_NxT: jax.Array,
+             cache: list[KVCache], layers: list[dict] | None = None) -> tuple[jax.Array, list[KVCache]]:
+    """One token per row at RoPE position positions_N[i]; returns hidden [N, D] and the updated cache.
 
-    Row i attends to cache slots [0, positions_N[i]) and to its own new key.
-    The layers only read the cache (it is the scan's input); the new keys and
-    values of all layers come out of the scan and are written into the cache
-    in one scatter at the end.
+    Each layer first writes the new key and value into cache column `slot`,
+    the same column for every row (an in-place column write, no per-row
+    scatter), then each row attends to the slots attend_NxT marks, which must
+    include `slot`. Pass `layers=self.layer_list()` made once outside a loop.
     """
-    N, T = tokens_N.shape[0], cache.k.shape[3]
+    layers = self.layer_list() if layers is None else layers
     h = self.embed_tokens(tokens_N[:, None])  # [N, 1, D]
     cos, sin = rope_tables(positions_N[:, None], self.cfg)
-    past_NxT = jnp.arange(T)[None, :] < positions_N[:, None]
-
-    def layer(h, xs):
-      p, ck_NxKxTxDh, cv_NxKxTxDh = xs
+    new_cache = []
+    for p, c in zip(layers, cache):
       q, k, v = self._qkv(h, p, cos, sin)
-      o = decode_attention(q[:, 0], ck_NxKxTxDh.astype(self.dtype), cv_NxKxTxDh.astype(self.dtype), k[:, 0],
-                           v[:, 0], past_NxT)
+      at = (0, 0, slot, 0)
+      c = KVCache(jax.lax.dynamic_update_slice(c.k, jnp.swapaxes(k, 1, 2).astype(c.k.dtype), at),
+                  jax.lax.dynamic_update_slice(c.v, jnp.swapaxes(v, 1, 2).astype(c.v.dtype), at))
+      o = decode_attention(q[:, 0], c.k.astype(self.dtype), c.v.astype(self.dtype), attend_NxT)
       h = h + dense(o, p["wo"].astype(self.dtype), 2)[:, None]
-      return h + self._mlp(h, p), (k[:, 0], v[:, 0])
-
-    h, (k_LxNxKxDh, v_LxNxKxDh) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
-    rows = jnp.arange(N)
-    # x[:, rows, :, positions] puts the advanced (N) axis first: [N, L, K, Dh].
-    ck = cache.k.at[:, rows, :, positions_N].set(jnp.swapaxes(k_LxNxKxDh, 0, 1).astype(cache.k.dtype))
-    cv = cache.v.at[:, rows, :, positions_N].set(jnp.swapaxes(v_LxNxKxDh, 0, 1).astype(cache.v.dtype))
-    return self.final_hidden(h)[:, 0], KVCache(ck, cv)
+      h = h + self._mlp(h, p)
+      new_cache.append(c)
+    return self.final_hidden(h)[:, 0], new_cache
 
 
 # ---------------------------------------------------------------------- functions
@@ -276,20 +286,15 @@ def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
   return o.reshape(N, S, H, Dh)
 
 
-def decode_attention(q_NxHxDh, kc_NxKxTxDh, vc_NxKxTxDh, k_NxKxDh, v_NxKxDh, past_NxT):
-  """One query per row over its past cache slots (past_NxT) and its own new key; float32 softmax."""
+def decode_attention(q_NxHxDh, k_NxKxTxDh, v_NxKxTxDh, attend_NxT):
+  """One query per row over the cache slots attend_NxT marks; float32 softmax."""
   N, H, Dh = q_NxHxDh.shape
-  K = k_NxKxDh.shape[1]
+  K = k_NxKxTxDh.shape[1]
   q = q_NxHxDh.reshape(N, K, H // K, Dh)
   f32 = jnp.float32
-  scores_past = jnp.einsum("nkgd,nktd->nkgt", q, kc_NxKxTxDh, preferred_element_type=f32)
-  score_self = jnp.einsum("nkgd,nkd->nkg", q, k_NxKxDh, preferred_element_type=f32)[..., None]
-  scores = jnp.concatenate([scores_past, score_self], axis=-1) / math.sqrt(Dh)  # [N, K, H/K, T + 1]
-  keep = jnp.concatenate([past_NxT, jnp.ones((N, 1), bool)], axis=-1)[:, None, None, :]
-  probs = jax.nn.softmax(jnp.where(keep, scores, jnp.finfo(f32).min), axis=-1)
-  o = (jnp.einsum("nkgt,nktd->nkgd", probs[..., :-1].astype(vc_NxKxTxDh.dtype), vc_NxKxTxDh,
-                  preferred_element_type=f32)
-       + probs[..., -1:] * v_NxKxDh[:, :, None, :].astype(f32))
+  scores = jnp.einsum("nkgd,nktd->nkgt", q, k_NxKxTxDh, preferred_element_type=f32) / math.sqrt(Dh)
+  probs = jax.nn.softmax(jnp.where(attend_NxT[:, None, None, :], scores, jnp.finfo(f32).min), axis=-1)
+  o = jnp.einsum("nkgt,nktd->nkgd", probs.astype(v_NxKxTxDh.dtype), v_NxKxTxDh, preferred_element_type=f32)
   return o.astype(q_NxHxDh.dtype).reshape(N, H, Dh)
 
 
