@@ -258,7 +258,8 @@ def find_checkpoint(checkpoint: str, run_dir) -> pathlib.Path:
 
 def restore_params(model: nnx.Module, checkpoint: str, run_dir):
   """Loads the params of a checkpoint into `model` in place (shapes, dtypes, shardings of the model); returns it."""
-  step_dir = find_checkpoint(checkpoint, run_dir)
+  # Orbax reads no item metadata from a relative path (it warns and returns None).
+  step_dir = find_checkpoint(checkpoint, run_dir).absolute()
   state = nnx.state(model, nnx.Param)
   with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
     saved = ckptr.metadata(step_dir / "params").item_metadata

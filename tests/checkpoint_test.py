@@ -292,6 +292,19 @@ def test_restore_params_loads_a_tiny_nnx_model_from_latest_step_or_run_folder(tm
   assert ck.find_checkpoint("1", tmp_path) == tmp_path / "checkpoints" / "1"
 
 
+def test_restore_params_reads_a_run_folder_given_relative_to_the_working_directory(tmp_path, tiny_models,
+                                                                                  monkeypatch):
+  # The default config's run.dir is relative (runs/default): `erpo-jax eval --checkpoint latest` passes it as is.
+  trained, other, target = tiny_models
+  with ck.Checkpointer(tmp_path / "runs" / "x", every=1, keep=3, fingerprint=FP) as c:
+    _save(c, 2, nnx.state(trained, nnx.Param))
+  monkeypatch.chdir(tmp_path)
+  for checkpoint, run_dir in (("latest", "runs/x"), ("runs/x/checkpoints/2", "elsewhere"), ("runs/x", ".")):
+    nnx.update(target, nnx.state(other, nnx.Param))
+    assert ck.restore_params(target, checkpoint, run_dir) is target
+    _assert_bit_equal(_pure(target), _pure(trained))
+
+
 def test_restore_params_refuses_missing_checkpoints_and_other_models(tmp_path, tiny_models):
   model = tiny_models[2]
   with pytest.raises(PathError, match="no complete checkpoint in .*checkpoints"):
