@@ -169,11 +169,6 @@ class Transformer(nnx.Module):
     p = self._layer_params()
     return [{n: w[i] for n, w in p.items()} for i in range(self.cfg.num_layers)]
 
-  def init_cache(self, batch: int, length: int) -> list[KVCache]:
-    c = self.cfg
-    shape = (batch, c.num_kv_heads, length, c.head_dim)
-    return [KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers)]
-
   def prefill(self, tokens_NxP: jax.Array, length: int) -> tuple[jax.Array, list[KVCache]]:
     """Runs right-padded prompts; returns hidden [N, P, D] and a cache of `length` >= P slots per row
     holding the prompt's keys and values in slots [0, P)."""
