@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+import tiny_runs
 from erpo_jax import checkpoint as ck
 from erpo_jax.errors import NonFiniteError, PathError, UserError
 from erpo_jax.model import llama
@@ -214,8 +215,7 @@ def test_checkpoint_folder_removed_during_write_raises_and_previous_stays_restor
     _save(c, 1, {"w": jnp.full((1 << 22,), 1.0)})
     c.wait()
     _save(c, 2, {"w": jnp.full((1 << 22,), 2.0)})
-    os.rename(ckpt_dir, tmp_path / "moved")  # the folder vanishes mid-write, a file takes its name
-    ckpt_dir.write_text("not a folder")
+    tiny_runs.replace_folder_by_file(ckpt_dir, tmp_path / "moved")  # the folder vanishes mid-write
     with pytest.raises(ck.CheckpointWriteError, match="step 2 could not be written"):
       c.wait()
     ckpt_dir.unlink()

@@ -4,7 +4,6 @@ The previous checkpoint stays restorable, and `erpo-jax train` with the same
 command resumes from it to the same final state as an uninterrupted run.
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -64,8 +63,7 @@ def test_checkpoint_folder_replaced_by_a_file_mid_write_stops_and_the_restored_f
   ckpt_dir, moved = run_dir / "checkpoints", tmp_path / "checkpoints.moved"
   t = Training(run_dir)
   assert t.wait_for(lambda: any(n.startswith("6.") for n in torn_writes(run_dir)), poll_s=0.0005)
-  os.rename(ckpt_dir, moved)  # the folder vanishes during the write of step 6 and a file takes its name
-  ckpt_dir.write_text("not a folder")
+  tiny_runs.replace_folder_by_file(ckpt_dir, moved)  # the folder vanishes during the write of step 6
   rc = t.wait()
   assert rc == 2, t.stderr()[-3000:]
   line = _error_line(t.stderr())

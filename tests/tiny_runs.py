@@ -128,6 +128,22 @@ def torn_writes(run_dir) -> list[str]:
   return sorted(p.name for p in d.glob("*.orbax-checkpoint-tmp*")) if d.is_dir() else []
 
 
+def replace_folder_by_file(folder: pathlib.Path, moved: pathlib.Path) -> None:
+  """Moves `folder` to `moved` and puts a file where it was, while a checkpoint write is running.
+
+  The writer's threads recreate missing parent folders as they go, so one
+  they made between the move and the file is moved aside too, then retried.
+  """
+  os.rename(folder, moved)
+  for i in range(1000):
+    try:
+      folder.write_text("not a folder")
+      return
+    except IsADirectoryError:
+      os.rename(folder, moved.with_name(f"{moved.name}.recreated{i}"))
+  raise AssertionError(f"the checkpoint writer kept recreating {folder}")
+
+
 def load_item(run_dir, step: int | str = "latest", item: str = "params"):
   """One item (params, opt_state) of a checkpoint as a tree of numpy arrays."""
   step_dir = ck.find_checkpoint(str(step), run_dir)
