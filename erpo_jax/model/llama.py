@@ -205,10 +205,10 @@ class Transformer(nnx.Module):
     new_cache = []
     for p, c in zip(layers, cache):
       q, k, v = self._qkv(h, p, cos, sin)
-      at = (0, 0, slot, 0)
-      c = KVCache(jax.lax.dynamic_update_slice(c.k, jnp.swapaxes(k, 1, 2).astype(c.k.dtype), at),
-                  jax.lax.dynamic_update_slice(c.v, jnp.swapaxes(v, 1, 2).astype(c.v.dtype), at))
-      o = decode_attention(q[:, 0], c.k.astype(self.dtype), c.v.astype(self.dtype), attend_NxT)
+      at = (0, 0, slot, 0)  # the cache is in the compute dtype, as prefill made it
+      c = KVCache(jax.lax.dynamic_update_slice(c.k, jnp.swapaxes(k, 1, 2), at),
+                  jax.lax.dynamic_update_slice(c.v, jnp.swapaxes(v, 1, 2), at))
+      o = decode_attention(q[:, 0], c.k, c.v, attend_NxT)
       h = h + dense(o, p["wo"].astype(self.dtype), 2)[:, None]
       h = h + self._mlp(h, p)
       new_cache.append(c)
