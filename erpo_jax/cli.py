@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from erpo_jax.errors import NonFiniteError, UserError
@@ -62,31 +61,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-  from erpo_jax import distributed
+  from erpo_jax.parallel import multihost
   from erpo_jax.config import load_config
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
   cfg = load_config(args.config, args.overrides)
-  distributed.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
+  multihost.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
   if args.command == "train":
-    from erpo_jax.trainer import train
+    from erpo_jax.train.loop import train
     train(cfg)
   elif args.command == "eval":
-    from erpo_jax.evaluate import run_eval
+    from erpo_jax.eval.evaluate import run_eval
     run_eval(cfg, checkpoint=args.checkpoint, out=args.out)
   elif args.command == "weights":
-    from erpo_jax.data.static_weights import run_weights
+    from erpo_jax.data.reference_cache import run_weights
     run_weights(cfg)
   elif args.command == "sample":
-    from erpo_jax.sample import run_sample
+    from erpo_jax.eval.sample import run_sample
     run_sample(cfg, prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                num=args.num, seed=args.seed, checkpoint=args.checkpoint)
   elif args.command == "export":
-    from erpo_jax.model.export import run_export
+    from erpo_jax.model.io.export import run_export
     run_export(cfg, checkpoint=args.checkpoint, out=args.out)
   elif args.command == "bench":
-    from erpo_jax.bench import run_bench
+    from erpo_jax.bench.run import run_bench
     run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
   return 0
 
@@ -104,7 +103,7 @@ def _report_checkpoint_write_errors_once() -> None:
   Orbax also logs it from each of its writer threads, and tensorstore's late callbacks
   into Orbax's closed event loop print "Event loop is closed" tracebacks; those are dropped.
   """
-  import absl.logging  # pylint: disable=import-outside-toplevel,unused-import  (its records name the Orbax file)
+  import absl.logging  # noqa: F401  (creates the "absl" logger the filter goes on; absl is heavy, so only here)
   if any(isinstance(f, _OrbaxErrorLogs) for f in logging.getLogger("absl").filters):
     return  # main() ran before in this process
   for name in ("absl", "asyncio"):

@@ -88,7 +88,9 @@ def tiny(name: str, hf_config, model_class, seed: int) -> None:
 
 
 def smollm2() -> None:
-  from erpo_jax.model import export, gguf, loading  # pylint: disable=import-outside-toplevel
+  from erpo_jax.model.io import export
+  from erpo_jax.model.io import gguf
+  from erpo_jax.model.io import loading  # pylint: disable=import-outside-toplevel
 
   path = loading.builtin_path(loading.DEFAULT_BUILTIN)
   net = loading.load_gguf_model(path)

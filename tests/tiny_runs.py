@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from erpo_jax import checkpoint as ck
+from erpo_jax.train import checkpoint as ck
 from erpo_jax import metrics
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

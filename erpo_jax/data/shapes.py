@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from erpo_jax.verify import last_boxed
+from erpo_jax.reward.verify import last_boxed
 
 SHAPES = ("verl", "trl", "gsm8k", "math", "columns")
 

@@ -8,7 +8,7 @@ Weights of all layers are stacked on a leading L axis and applied with one
 `lax.scan`, so a 30-layer model compiles as fast as a 1-layer one; only the
 one-token decode step runs its layers unrolled over per-layer buffers. Every
 parameter carries logical axis names (`axes` metadata) that
-`erpo_jax.parallel` maps onto a device mesh.
+`erpo_jax.parallel.mesh` maps onto a device mesh.
 """
 
 from __future__ import annotations

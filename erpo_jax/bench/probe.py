@@ -1,0 +1,111 @@
+"""Device probes for the bench: synchronised median timing, peak memory, matmul peak and memory bandwidth."""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def timed(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
+  """Wall seconds of `iters` calls of fn after `warmup` untimed ones.
+
+  Each call's outputs are waited for with jax.block_until_ready, so the time
+  covers the device work and not just the asynchronous dispatch.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def median(xs: list[float]) -> float:
+  return float(statistics.median(xs))
+
+
+def load_average() -> list[float]:
+  """1, 5 and 15 minute load averages of the host (it is shared: read figures next to it)."""
+  return [round(x, 2) for x in os.getloadavg()]
+
+
+def peak_memory() -> dict[str, int | None]:
+  """Peak resident memory of this process, and of the device where the backend reports it.
+
+  ru_maxrss is in KiB on Linux. peak_device_bytes is memory_stats()['peak_bytes_in_use']
+  of device 0 (GPU/TPU); None on CPU, where device memory is host memory (in the RSS).
+  """
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+  device = None
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    device = stats.get("peak_bytes_in_use")
+  return {"peak_rss_bytes": int(rss), "peak_children_rss_bytes": int(children),
+          "peak_device_bytes": None if device is None else int(device)}
+
+
+def device_info() -> dict[str, Any]:
+  dev = jax.devices()[0]
+  return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
+          "host_cpus": os.cpu_count()}
+
+
+def matmul_peak(n: int, dtype, *, iters: int = 3, warmup: int = 1) -> dict[str, float]:
+  """FLOP/s of one [n, n] @ [n, n] product in `dtype`: 2 n^3 / median seconds.
+
+  The accumulation type is the input type, as in the model's einsums.
+  """
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+  mm = jax.jit(lambda x, y: x @ y)
+  times = timed(lambda: mm(a, b), iters=iters, warmup=warmup)
+  t = median(times)
+  return {"n": n, "time_s": t, "flops_per_s": 2.0 * n ** 3 / t}
+
+
+def read_bandwidth(num_bytes: int, *, iters: int = 5, warmup: int = 1) -> dict[str, float]:
+  """Bytes/s of a jitted sum over a float32 array of `num_bytes` (one read of every byte).
+
+  Also the bytes/s of x + 1 (a read and a write of every byte, counted twice).
+  """
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  plus = jax.jit(lambda v: v + 1.0)
+  t_read = median(timed(lambda: total(x), iters=iters, warmup=warmup))
+  t_copy = median(timed(lambda: plus(x), iters=iters, warmup=warmup))
+  return {"array_bytes": int(x.nbytes), "read_bytes_per_s": x.nbytes / t_read,
+          "copy_bytes_per_s": 2 * x.nbytes / t_copy}
+
+
+def device_peaks() -> dict[str, Any]:
+  """Matmul peaks (float32, bfloat16) and read bandwidth of device 0, sized for its platform."""
+  accel = jax.devices()[0].platform != "cpu"
+  n = 8192 if accel else 2048
+  f32 = matmul_peak(n, jnp.float32)
+  bf16 = matmul_peak(n, jnp.bfloat16)
+  bw = read_bandwidth((1 << 30) if accel else (256 << 20))
+  return {"matmul_n": n, "peak_flops_per_s_float32": f32["flops_per_s"], "peak_flops_per_s_bfloat16": bf16["flops_per_s"],
+          "matmul_time_s_float32": f32["time_s"], "matmul_time_s_bfloat16": bf16["time_s"], **bw}
+
+
+def load_model_and_prompts(cfg):
+  """(model, tokenizer, the first batch's prompt token lists) of a config, as training would see them."""
+  from erpo_jax.data.pipeline import make_train_iterator
+  from erpo_jax.model.io.loading import load_model
+
+  model, tokenizer = load_model(cfg.model)
+  data = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)
+  prompts = next(data).prompt_tokens
+  data.close()
+  return model, tokenizer, prompts

@@ -1,0 +1,71 @@
+"""Bench of whole RL iterations: the real training loop for warmup + iters steps, per-phase medians.
+
+Runs `trainer.train` in this process on a throw-away run folder and reads the
+per-step times the loop itself logs (time/rollout, time/reward, time/update,
+time/step in metrics.jsonl); the first `warmup` steps (compilation) are left out.
+The loop checkpoints only after its last step, outside the timed steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+from erpo_jax.bench import probe as bench_probe
+
+# Seconds per step of the issue's reference workload (2-core CPU, median of 6 steps after 2 warm-up steps).
+FRAMEWORK_STEP_S = {"trl": 45.3, "tunix": 65.0}
+FRAMEWORK_PEAK_RSS_GB = {"trl": 12.6, "tunix": 16.9}
+PHASES = ("time/rollout", "time/reward", "time/reference", "time/update", "time/step")
+
+
+def bench_config(cfg, run_dir: str, steps: int):
+  """cfg for `steps` logged steps in run_dir: no eval, no samples, no progress bar, no TensorBoard."""
+  return dataclasses.replace(
+      cfg, run=dataclasses.replace(cfg.run, dir=run_dir),
+      train=dataclasses.replace(cfg.train, steps=steps, log_every=1, eval_every=0),
+      checkpoint=dataclasses.replace(cfg.checkpoint, every=0),
+      log=dataclasses.replace(cfg.log, progress=False, tensorboard=False, samples_every=0))
+
+
+def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
+  """Median of each phase over the logged steps after the first `warmup`."""
+  timed = [r for r in rows if r["step"] > warmup]
+  out: dict[str, Any] = {"timed_steps": [r["step"] for r in timed]}
+  for k in PHASES:
+    vals = [r[k] for r in timed if k in r]
+    out[k.replace("time/", "") + "_s"] = bench_probe.median(vals) if vals else None
+  out["step_times_s"] = [r["time/step"] for r in timed]
+  out["warmup_step_times_s"] = [r["time/step"] for r in rows if r["step"] <= warmup]
+  tps = [r["perf/tokens_per_s"] for r in timed if "perf/tokens_per_s" in r]
+  out["tokens_per_s"] = bench_probe.median(tps) if tps else None
+  rl = [r["response/len_mean"] for r in timed if "response/len_mean" in r]
+  out["response_len_mean"] = sum(rl) / len(rl) if rl else None
+  return out
+
+
+def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
+  """Median per-phase step times of `iters` real training steps after `warmup`, peak RSS, framework ratios."""
+  from erpo_jax.metrics import METRICS_FILE, read_jsonl
+  from erpo_jax.train.loop import train
+
+  load0 = bench_probe.load_average()
+  run_dir = tempfile.mkdtemp(prefix="erpo-bench-rl-")
+  try:
+    train(bench_config(cfg, run_dir, warmup + iters))
+    rows = read_jsonl(pathlib.Path(run_dir) / METRICS_FILE)
+  finally:
+    shutil.rmtree(run_dir, ignore_errors=True)
+  out = {"B": cfg.data.batch_size, "G": cfg.rollout.group_size, "N": cfg.data.batch_size * cfg.rollout.group_size,
+         "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
+         "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,
+         "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
+         **summarize_steps(rows, warmup), **bench_probe.peak_memory(), **bench_probe.device_info(),
+         "load_avg_start": load0, "load_avg_end": bench_probe.load_average()}
+  step_s = out["step_s"]
+  for name, s in FRAMEWORK_STEP_S.items():
+    out[f"step_over_{name}"] = step_s / s if step_s else None
+  return out

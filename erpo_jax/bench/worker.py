@@ -1,0 +1,73 @@
+"""One bench measurement in a fresh process: `python -m erpo_jax.bench.worker SPEC.json OUT.json`.
+
+SPEC holds {"kind": device|steps|step_memory|rollout|greedy|rl, "config": a
+YAML file (a list of them for steps), "iters": int, "warmup": int}; OUT
+receives the measurement's JSON record. A process per measurement makes its
+peak memory (ru_maxrss, the device's peak_bytes_in_use) that of this
+measurement alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
+  """Adds the matmul peak of the record's dtype (and the read bandwidth) measured here, just after it.
+
+  The host is shared: a peak taken minutes earlier in another process may
+  have seen another load. Taken after the record's peak memory was read.
+  """
+  import jax.numpy as jnp
+  from erpo_jax.bench import probe as bench_probe
+
+  n = 8192 if record["platform"] != "cpu" else 2048
+  dtype = jnp.bfloat16 if record["dtype"] == "bfloat16" else jnp.float32
+  record["local_peak_flops_per_s"] = bench_probe.matmul_peak(n, dtype)["flops_per_s"]
+  if bandwidth:
+    size = (1 << 30) if record["platform"] != "cpu" else (256 << 20)
+    record["local_read_bytes_per_s"] = bench_probe.read_bandwidth(size)["read_bytes_per_s"]
+  return record
+
+
+def measure(kind: str, cfg, *, iters: int, warmup: int) -> dict:
+  """The record of one measurement, run in this process; cfg is a list of configs for `steps`."""
+  from erpo_jax.bench import probe as bench_probe
+
+  if kind == "device":
+    return {**bench_probe.device_peaks(), **bench_probe.device_info(), "load_avg": bench_probe.load_average()}
+  if kind == "steps":
+    from erpo_jax.bench.step import measure_steps
+    return with_local_peaks(measure_steps(cfg, iters=iters, warmup=warmup), bandwidth=False)
+  if kind == "step_memory":
+    from erpo_jax.bench.step import measure_step_memory
+    return measure_step_memory(cfg)
+  if kind == "rollout":
+    from erpo_jax.bench.rollout import measure_sampler
+    return with_local_peaks(measure_sampler(cfg, iters=iters, warmup=warmup), bandwidth=True)
+  if kind == "greedy":
+    from erpo_jax.bench.rollout import measure_greedy
+    return measure_greedy(cfg, iters=iters, warmup=warmup)
+  if kind == "rl":
+    from erpo_jax.bench.rl import measure_rl
+    return measure_rl(cfg, iters=iters, warmup=warmup)
+  raise ValueError(f"bench worker: unknown kind {kind!r}")
+
+
+def main(argv: list[str]) -> int:
+  from erpo_jax.config import load_config
+
+  spec_path, out_path = argv
+  with open(spec_path, encoding="utf-8") as f:
+    spec = json.load(f)
+  paths = spec["config"]
+  cfg = [load_config(p) for p in paths] if isinstance(paths, list) else (load_config(paths) if paths else None)
+  record = measure(spec["kind"], cfg, iters=spec["iters"], warmup=spec["warmup"])
+  with open(out_path, "w", encoding="utf-8") as f:
+    json.dump(record, f)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

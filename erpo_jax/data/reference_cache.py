@@ -1,0 +1,190 @@
+"""Static question weights and the reference prompt cache: one reference pass over the training set.
+
+For every training prompt q (dataset order, Q prompts) the cache holds the
+reference model's per-token prompt log-probs, its NLL s_q = -sum_j ref_j and
+the static weight w(q) = clip(s_bar / s_q, lo, hi) (SPEC section 2). It is
+keyed by hashes of the model, tokenizer, chat template/prompt settings and
+data, so a cache made for something else is refused, never silently used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from erpo_jax.algo import losses
+from erpo_jax.errors import PathError, UserError
+from erpo_jax.model import llama
+
+CACHE_NAME = "reference_cache.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceCache:
+  """Per training prompt q (dataset index): weights [Q], nll [Q], logp [Q, Lmax], prompt_len [Q]."""
+
+  weights: np.ndarray  # float32 w(q)
+  nll: np.ndarray  # float32 s_q, reference NLL summed over prompt positions 1..len-1
+  logp: np.ndarray  # float32 [Q, Lmax]: logp[q, t] = log P_ref(x_t | x_<t), 0 at t = 0 and past the prompt
+  prompt_len: np.ndarray  # int32
+  keys: dict  # component hashes: model, tokenizer, prompts, data
+
+
+def cache_path(cfg) -> pathlib.Path:
+  folder = pathlib.Path(cfg.erpo.cache_dir) if cfg.erpo.cache_dir else pathlib.Path(cfg.run.dir) / "cache"
+  return folder / CACHE_NAME
+
+
+def model_hash(model) -> str:
+  """Hash of the architecture and of every parameter's sum, sum of squares and first values."""
+  h = hashlib.sha256(repr(dataclasses.asdict(model.cfg)).encode())
+  from flax import nnx
+  for path, x in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda kv: str(kv[0])):
+    x32 = jnp.asarray(x, jnp.float32)
+    stats = jax.device_get(jnp.stack([jnp.sum(x32), jnp.sum(x32 * x32)]))
+    head = np.asarray(jax.device_get(x32.reshape(-1)[:64]))
+    h.update(str(path).encode() + np.asarray(stats, np.float64).tobytes() + head.tobytes())
+  return h.hexdigest()[:16]
+
+
+def prompts_hash(prompt_tokens: list[list[int]]) -> str:
+  h = hashlib.sha256()
+  for ids in prompt_tokens:
+    h.update(np.asarray(ids, np.int32).tobytes() + b"|")
+  return h.hexdigest()[:16]
+
+
+def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size: int = 16, mesh=None,
+                           chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q], in batches of prompts."""
+  from flax import nnx
+
+  Q = len(prompt_tokens)
+  lengths = np.array([len(p) for p in prompt_tokens], np.int32)
+  Lmax = int(lengths.max()) if Q else 1
+  out = np.zeros((Q, Lmax), np.float32)
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, tokens):
+    return llama.log_probs(nnx.merge(graphdef, state), tokens, chunk=chunk)
+
+  bar = None
+  if progress and jax.process_index() == 0:
+    from tqdm import tqdm
+    bar = tqdm(total=Q, desc="reference pass", unit="prompt")
+  # Sort by length so each batch pads little; lengths are bucketed to bound compilations.
+  order = np.argsort(lengths, kind="stable")
+  shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+  B = -(-batch_size // shards) * shards
+  for start in range(0, Q, B):
+    idx = order[start:start + B]
+    L = max(16, 1 << int(np.ceil(np.log2(max(int(lengths[idx].max()), 2)))))
+    tok = np.zeros((B, L), np.int32)
+    for r, q in enumerate(idx):
+      tok[r, :lengths[q]] = prompt_tokens[q]
+    if mesh is not None:
+      from erpo_jax.parallel import mesh as mesh_lib
+      sh = mesh_lib.batch_sharding(mesh, 2)
+      tok_dev = jax.make_array_from_callback(tok.shape, sh, lambda i, t=tok: t[i])
+    else:
+      tok_dev = jnp.asarray(tok)
+    lp = fwd(state, tok_dev)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      lp = multihost_utils.process_allgather(lp, tiled=True)
+    lp = np.asarray(jax.device_get(lp))
+    for r, q in enumerate(idx):
+      n = min(int(lengths[q]), Lmax, L)
+      out[q, 1:n] = lp[r, 1:n]
+    if bar is not None:
+      bar.update(len(idx))
+  if bar is not None:
+    bar.close()
+  return out, lengths
+
+
+def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, keys: dict) -> ReferenceCache:
+  mask = np.arange(logp.shape[1])[None, :] < lengths[:, None]
+  nll, _ = losses.prompt_nll(jnp.asarray(logp), jnp.asarray(mask))
+  w = losses.static_weights(nll, lo, hi)
+  return ReferenceCache(weights=np.asarray(w, np.float32), nll=np.asarray(nll, np.float32), logp=logp,
+                        prompt_len=lengths.astype(np.int32), keys=keys)
+
+
+def save_cache(path: pathlib.Path, cache: ReferenceCache) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+  np.savez(tmp, weights=cache.weights, nll=cache.nll, logp=cache.logp, prompt_len=cache.prompt_len,
+           keys=np.array(json.dumps(cache.keys, sort_keys=True)))
+  os.replace(tmp, path)
+
+
+def load_cache(path: pathlib.Path, expected_keys: dict) -> ReferenceCache:
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      keys = json.loads(str(f["keys"]))
+      cache = ReferenceCache(weights=f["weights"], nll=f["nll"], logp=f["logp"], prompt_len=f["prompt_len"],
+                             keys=keys)
+  except (OSError, ValueError, KeyError) as e:
+    raise PathError(f"{path}: not a readable reference cache ({e}); delete it and run "
+                    f"'erpo-jax weights' again") from None
+  stale = [k for k in expected_keys if keys.get(k) != expected_keys[k]]
+  if stale:
+    raise UserError(f"{path}: stale reference cache: its {', '.join(stale)} differ from this run's "
+                    f"(cache {', '.join(f'{k}={keys.get(k)}' for k in stale)}; run "
+                    f"{', '.join(f'{k}={expected_keys[k]}' for k in stale)}); delete it or run "
+                    f"'erpo-jax weights --config ...' to rebuild it")
+  return cache
+
+
+def expected_keys(cfg, model, tokenizer, prompt_tokens) -> dict:
+  prompt_settings = json.dumps([cfg.data.system_prompt, cfg.data.prompt_suffix, cfg.data.chat_template,
+                                cfg.data.max_prompt_tokens, cfg.data.on_overlong])
+  return {
+      "model": model_hash(model),
+      "tokenizer": tokenizer.fingerprint()[:16],
+      "prompts": hashlib.sha256(prompt_settings.encode()).hexdigest()[:16],
+      "data": prompts_hash(prompt_tokens),
+      "clip": f"{cfg.erpo.static_clip[0]}:{cfg.erpo.static_clip[1]}",
+  }
+
+
+def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = False) -> ReferenceCache:
+  """Loads the cache for this model/tokenizer/data, computing it first when missing."""
+  from erpo_jax.data.pipeline import dataset_prompt_tokens
+
+  prompt_tokens = dataset_prompt_tokens(cfg, tokenizer)
+  keys = expected_keys(cfg, model, tokenizer, prompt_tokens)
+  path = cache_path(cfg)
+  if path.exists() and not rebuild:
+    return load_cache(path, keys)
+  logp, lengths = compute_reference_logp(model, prompt_tokens, mesh=mesh, chunk=cfg.model.logits_chunk,
+                                         progress=cfg.log.progress)
+  cache = build_cache(logp, lengths, *cfg.erpo.static_clip, keys=keys)
+  if jax.process_index() == 0:
+    save_cache(path, cache)
+  return cache
+
+
+def run_weights(cfg) -> None:
+  """`erpo-jax weights`: (re)builds the cache and prints a summary."""
+  from erpo_jax.parallel import mesh as mesh_lib
+  from erpo_jax.model.io.loading import load_model
+
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  model, tokenizer = load_model(cfg.model)
+  mesh_lib.shard_model(model, mesh)
+  cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh, rebuild=True)
+  w = cache.weights
+  if jax.process_index() == 0:
+    print(json.dumps({"cache": str(cache_path(cfg)), "prompts": int(len(w)), "nll_mean": float(cache.nll.mean()),
+                      "weight_min": float(w.min()), "weight_mean": float(w.mean()), "weight_max": float(w.max()),
+                      "clipped_at_hi": int((w >= cfg.erpo.static_clip[1]).sum())}))

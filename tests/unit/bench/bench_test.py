@@ -1,0 +1,168 @@
+"""The bench: FLOP counts by hand, batch layout, step memory free of the vocabulary, and `bench step` output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import tiny_runs
+from erpo_jax.bench import run as bench_run
+from erpo_jax.bench import flops as bench_flops
+from erpo_jax.bench import rl as bench_rl
+from erpo_jax.bench import step as bench_step
+from erpo_jax.bench.rollout import NoStopTokens
+from erpo_jax.config import dump_config, load_config
+from erpo_jax.model import llama
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.rollout.sampler import Sampler
+
+ROOT = str(tiny_runs.REPO)
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+STEP_KEYS = ("name", "variant", "B", "G", "N", "S", "prompt_len_mean", "response_len", "time_s", "tokens_per_s",
+             "flops", "flops_per_s", "utilisation", "peak_flops_per_s", "peak_rss_bytes", "temp_bytes")
+
+# V=100, D=4, L=1, H=2, K=1, Dh=2, F=8
+SMALL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=4, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=2, intermediate_size=8)
+
+
+def test_flops_match_a_hand_count():
+  # Per token, matmul params: q,k,v 4*(2*2 + 2*1*2) = 32, o 2*2*4 = 16, MLP 3*4*8 = 96, lm head 100*4 = 400
+  # -> 544, times 2 = 1088; attention 2 * (L * 2 * H * Dh) * ctx = 2 * 8 * ctx = 16 ctx.
+  assert SMALL.flops_per_token(5) == 1088 + 16 * 5
+  # Forward of 3 rows x 5 positions: 15 * (1088 + 80) = 17520.
+  assert bench_flops.forward_flops(SMALL, 3, 5) == 17520
+  # Step = 3 forwards for the policy (+1 reference, +1 behaviour pass per extra optimizer step set).
+  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=True, old_pass=False) == 4 * 17520
+  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=False, old_pass=False) == 3 * 17520
+  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=True, old_pass=True, epochs=2) == 8 * 17520
+  # Decode: 3 rows over 7 cache slots, 3 * (1088 + 112) = 3600.
+  assert bench_flops.decode_step_flops(SMALL, 3, 7) == 3600
+  # Prefill: 2 prompts x 4 positions of body (1088 + 64 - 800 = 352) plus one lm head row each:
+  # 2 * (4 * 352 + 800) = 4416.
+  assert bench_flops.prefill_flops(SMALL, 2, 4) == 4416
+
+
+def test_synthetic_batch_is_prompt_then_full_response_with_shared_prompts():
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+  b = bench_step.synthetic_batch(prompts, 2, 4, 12, vocab=50, pad_id=0, seed=1)
+  # Row n holds prompt n // G, then M = 4 response tokens, then padding.
+  np.testing.assert_array_equal(b["prompt_mask"].sum(1), [3, 3, 5, 5])
+  np.testing.assert_array_equal(b["response_mask"].sum(1), [4, 4, 4, 4])
+  np.testing.assert_array_equal(b["tokens"][1, :3], [5, 6, 7])
+  np.testing.assert_array_equal(b["tokens"][3, :5], [8, 9, 10, 11, 12])
+  assert not (b["prompt_mask"] & b["response_mask"]).any()
+  assert (b["response_mask"].argmax(1) == b["prompt_mask"].sum(1)).all()  # response starts right after
+  assert (b["tokens"][~(b["prompt_mask"] | b["response_mask"])] == 0).all()
+  # Reference log-probs only at prompt positions t >= 1, and negative there.
+  assert (b["ref_logp"][:, 0] == 0).all() and (b["ref_logp"][b["prompt_mask"] & (np.arange(12) >= 1)] < 0).all()
+  # S as the trainer trims it: min(bucket 64 + M 64, 32-multiple >= 53 + 64) = 128; min(16 + 8, 32) = 24.
+  assert bench_step.batch_length(np.array([48, 53]), 64, 16) == 128
+  assert bench_step.batch_length(np.array([5, 9]), 8, 16) == 24
+
+
+def test_variant_configs_survive_the_yaml_round_trip_to_a_worker(tmp_path):
+  cfg = load_config(TINY)
+  for v in bench_run.STEP_VARIANTS:
+    want = bench_run.step_variant(cfg, v, None)
+    path = tmp_path / f"{v}.yaml"
+    path.write_text(dump_config(want))
+    assert load_config(path) == want
+  assert bench_run.step_variant(cfg, "b", None).erpo.reference == "cached"
+  assert bench_run.step_variant(cfg, "c", False).model.shared_prefix is False
+
+
+def test_summary_divides_step_times_by_the_grpo_step():
+  recs = [{"name": "step/a", "variant": "a", "time_s": 3.0}, {"name": "step/b", "variant": "b", "time_s": 1.0},
+          {"name": "step/c", "variant": "c", "time_s": 2.0}, {"name": "step/d", "variant": "d", "time_s": 1.5},
+          {"name": "rl", "step_s": 9.06, "peak_rss_bytes": 5, "peak_children_rss_bytes": 7}]
+  s = bench_run.summary(recs)
+  assert s["step_a_over_c"] == 1.5 and s["step_b_over_c"] == 0.5 and s["step_d_over_c"] == 0.75
+  assert s["rl_step_over_trl"] == pytest.approx(9.06 / 45.3) and s["rl_peak_rss_bytes"] == 7
+  assert s["errors"] == 0
+
+
+def test_rl_summary_leaves_out_the_warmup_steps():
+  rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0}, {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
+          {"step": 3, "time/step": 5.0, "time/rollout": 2.0}, {"step": 4, "time/step": 4.0, "time/rollout": 3.0}]
+  out = bench_rl.summarize_steps(rows, warmup=1)
+  assert out["step_s"] == 4.0 and out["rollout_s"] == 2.0 and out["timed_steps"] == [2, 3, 4]
+  assert out["warmup_step_times_s"] == [30.0] and out["update_s"] is None
+
+
+def test_sampler_without_stop_tokens_runs_every_row_to_full_length():
+  mc = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                   head_dim=8, intermediate_size=32)
+  model = llama.init_random(mc, seed=0)
+  sampler = Sampler(model, NoStopTokens(pad_id=0), max_new_tokens=6, temperature=1.0, min_prompt_bucket=4)
+  roll = sampler.generate(model, [[1, 2, 3], [4, 5]], group_size=3, key=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(roll.response_len), [6] * 6)
+  assert np.asarray(roll.truncated).all()  # no row met an EOS
+
+
+def _step_temp_bytes(vocab: int, *, B: int = 4, G: int = 4, P: int = 16, M: int = 240) -> tuple[int, int]:
+  """(XLA scratch bytes of the ERPO step with reference forward, N*S) for the tiny model at this vocab."""
+  cfg = load_config(TINY, [f"model.random_init.vocab_size={vocab}", "model.logits_chunk=16",
+                           f"data.batch_size={B}", f"rollout.group_size={G}", f"rollout.max_new_tokens={M}"])
+  model = llama.init_random(llama.model_config_from_random_init(cfg.model.random_init), seed=0)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, vocab, P).tolist() for _ in range(B)]
+  inp = bench_step.prepare_inputs(cfg, model, prompts, vocab=vocab, pad_id=0)
+  variant = bench_step.build_variant(inp, cfg)
+  return bench_step.compiled_memory(variant.compiled)["temp_bytes"], inp.shape["N"] * inp.shape["S"]
+
+
+@pytest.mark.slow
+def test_step_scratch_memory_grows_with_rows_times_length_not_with_vocab():
+  small_v, big_v = 4096, 65536
+  temp_small, NS = _step_temp_bytes(small_v)
+  temp_big, NS_big = _step_temp_bytes(big_v)
+  assert NS == NS_big == 16 * 256
+  # Materialising [N, S, V] float32 logits would add N*S*(V2 - V1)*4 = 4096 * 61440 * 4 = 1.0 GB of scratch.
+  logits_growth = NS * (big_v - small_v) * 4
+  # What does grow with V: the [V, D] embedding's gradient and optimizer temporaries, and [C, V] chunks.
+  assert temp_big - temp_small < 0.1 * logits_growth, (temp_small, temp_big, logits_growth)
+  # Doubling the rows doubles activations: scratch grows with N*S.
+  temp_rows, NS_rows = _step_temp_bytes(small_v, B=8)
+  assert NS_rows == 2 * NS and temp_rows > temp_small
+
+
+def _check_step_lines(lines: list[dict]) -> None:
+  names = [r["name"] for r in lines]
+  assert names[0] == "device" and names[-1] == "summary"
+  assert lines[0]["peak_flops_per_s_float32"] > 0 and lines[0]["read_bytes_per_s"] > 0
+  steps = [r for r in lines if r["name"].startswith("step/")]
+  assert len(steps) % 4 == 0 and {r["variant"] for r in steps} == {"a", "b", "c", "d"}
+  for r in steps:
+    for k in STEP_KEYS:
+      assert k in r, (r["name"], k)
+    for k in ("time_s", "tokens_per_s", "flops", "flops_per_s", "utilisation", "peak_rss_bytes"):
+      assert r[k] > 0, (r["name"], k, r[k])
+    # tiny.yaml: B=2, G=4, prompts of level-1 questions, M=8.
+    assert (r["B"], r["G"], r["N"], r["response_len"]) == (2, 4, 8, 8)
+  by = {r["variant"]: r for r in steps}
+  assert by["a"]["flops"] == pytest.approx(4 / 3 * by["b"]["flops"], rel=1e-4)  # reference forward = one more
+  summary = lines[-1]
+  assert summary["errors"] == 0
+  for k in ("step_a_over_c", "step_b_over_c", "step_d_over_c"):
+    assert any(key.startswith(k) and v > 0 for key, v in summary.items()), k
+
+
+@pytest.mark.slow
+def test_run_bench_step_prints_device_four_variants_and_summary(capsys):
+  records = bench_run.run_bench(load_config(TINY), what="step", iters=1, warmup=1)
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert len(lines) == len(records) and [r["name"] for r in lines] == [r["name"] for r in records]
+  _check_step_lines(lines)
+
+
+@pytest.mark.slow
+def test_cli_bench_step_exits_0_with_json_lines_on_stdout():
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "bench", "step", "--config", TINY, "--iters", "1",
+                         "--warmup", "1"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _check_step_lines([json.loads(line) for line in proc.stdout.splitlines()])

@@ -1,0 +1,65 @@
+"""`erpo-jax weights`: the static weights and reference prompt cache, checked independently; stale caches refused."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from erpo_jax.config import load_config
+from erpo_jax.data import reference_cache as static_weights
+from erpo_jax.data.pipeline import dataset_prompt_tokens
+from erpo_jax.errors import UserError
+from erpo_jax.model import llama
+from erpo_jax.model.io.loading import load_model
+
+
+def tiny(tmp_path, *overrides):
+  return load_config("configs/tiny.yaml", [f"run.dir={tmp_path}", "data.size=12", *overrides])
+
+
+def test_static_weights_equal_clip_of_mean_over_nll_recomputed_from_the_model(tmp_path):
+  cfg = tiny(tmp_path)
+  static_weights.run_weights(cfg)
+  model, tokenizer = load_model(cfg.model)
+  prompts = dataset_prompt_tokens(cfg, tokenizer)
+  nll = []
+  for ids in prompts:  # one prompt at a time, no padding: an independent path
+    logp = np.asarray(llama.log_probs(model, jnp.asarray([ids])))[0]
+    nll.append(-logp[1:len(ids)].astype(np.float64).sum())
+  nll = np.array(nll)
+  want = np.clip(nll.mean() / nll, 0.0, 2.0)
+  with np.load(static_weights.cache_path(cfg)) as f:
+    np.testing.assert_allclose(f["nll"], nll, rtol=2e-5)
+    np.testing.assert_allclose(f["weights"], want, rtol=2e-5)
+    assert f["prompt_len"].tolist() == [len(p) for p in prompts]
+
+
+def test_a_changed_data_set_or_model_invalidates_the_cache(tmp_path):
+  cfg = tiny(tmp_path)
+  model, tokenizer = load_model(cfg.model)
+  static_weights.ensure_reference_cache(cfg, model, tokenizer)
+  assert static_weights.ensure_reference_cache(cfg, model, tokenizer).weights.shape == (12,)
+  changed_data = tiny(tmp_path, "data.builtin_seed=7")
+  with pytest.raises(UserError, match=r"stale reference cache: its data differ"):
+    static_weights.ensure_reference_cache(changed_data, model, tokenizer)
+  other_cfg = tiny(tmp_path, "model.seed=3")
+  other_model, _ = load_model(other_cfg.model)
+  with pytest.raises(UserError, match=r"stale reference cache: its model differ"):
+    static_weights.ensure_reference_cache(other_cfg, other_model, tokenizer)
+  suffix = tiny(tmp_path, "data.prompt_suffix=' Answer briefly.'")
+  with pytest.raises(UserError, match=r"stale reference cache: its prompts, data differ"):
+    static_weights.ensure_reference_cache(suffix, model, tokenizer)
+
+
+def test_cli_weights_rebuilds_and_prints_a_summary(tmp_path):
+  res = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "weights", "--config", "configs/tiny.yaml",
+                        f"run.dir={tmp_path}", "data.size=8", "log.progress=false"],
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-2000:]
+  summary = json.loads(res.stdout.strip().splitlines()[-1])
+  assert summary["prompts"] == 8
+  assert 0.0 <= summary["weight_min"] <= summary["weight_mean"] <= summary["weight_max"] <= 2.0
+  assert (tmp_path / "cache" / "reference_cache.npz").is_file()

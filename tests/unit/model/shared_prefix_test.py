@@ -1,0 +1,209 @@
+"""Shared-prefix log-probs equal the plain [N, S] layout: values, entropies, ERPO loss and every gradient."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from erpo_jax.algo import losses
+from erpo_jax.model import llama, shared_prefix
+from erpo_jax.model.config import ModelConfig
+
+B, G, S, P, R, V = 3, 4, 26, 10, 12, 97
+TOL = 1e-5  # float32: the layouts add the same terms in different orders
+
+LLAMA = ModelConfig(architecture="llama", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, intermediate_size=64)
+QWEN2 = ModelConfig(architecture="qwen2", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
+                    head_dim=8, intermediate_size=48, attention_bias=True, tie_word_embeddings=False)
+
+
+def make_rows(seed=0, b=B, g=G, s=S, p=P, r=R):
+  """Group-contiguous rows: prompts of different lengths (one fills P), responses up to R (one fills R)."""
+  rng = np.random.default_rng(seed)
+  n = b * g
+  tokens = rng.integers(1, V, (n, s)).astype(np.int32)
+  prompt_len = rng.integers(2, p, b)
+  prompt_len[0] = p
+  prompt_len = prompt_len.repeat(g)
+  response_len = rng.integers(1, r + 1, n)
+  response_len[-1] = r
+  for i in range(0, n, g):  # the G rows of a prompt share it
+    tokens[i + 1:i + g, :prompt_len[i]] = tokens[i, :prompt_len[i]]
+  pos = np.arange(s)[None]
+  prompt_mask = pos < prompt_len[:, None]
+  response_mask = (pos >= prompt_len[:, None]) & (pos < (prompt_len + response_len)[:, None])
+  tokens = np.where(prompt_mask | response_mask, tokens, 0)
+  return jnp.asarray(tokens), jnp.asarray(prompt_len), prompt_mask, response_mask
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _both(graph, state, tokens, prompt_len, g, temperature, p_r=(P, R)):
+  model = nnx.merge(graph, state)
+  plain = llama.log_probs(model, tokens, chunk=16, temperature=temperature, with_entropy=True)
+  shared = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, g, prompt_bucket=p_r[0],
+                                                 response_bucket=p_r[1], chunk=16, temperature=temperature,
+                                                 with_entropy=True)
+  return plain, shared
+
+
+def both_layouts(model, tokens, prompt_len, g=G, temperature=1.0, p_r=(P, R)):
+  graph, state = nnx.split(model)
+  return jax.tree.map(np.asarray, _both(graph, state, tokens, prompt_len, g, temperature, p_r))
+
+
+def tiny_model(cfg, seed, remat=False):
+  """A random model with embeddings scaled to 0.1: log-probs of a few nats, as in a trained model.
+
+  The unit-variance init gives logits of std sqrt(D) and log-probs near -30, where float32
+  round-off of 1e-6 relative becomes 1e-5 absolute and then a relative error of exp(logp - old)
+  in the loss; that would test the init, not the layout.
+  """
+  model = llama.init_random(cfg, seed=seed, remat=remat)
+  model.embed[...] = 0.1 * model.embed[...]
+  if not cfg.tie_word_embeddings:
+    model.lm_head[...] = 0.1 * model.lm_head[...]
+  return model
+
+
+def assert_close(a, b, mask=None, name=""):
+  """max |a - b| < TOL over the mask."""
+  a, b = np.asarray(a), np.asarray(b)
+  mask = np.ones(a.shape, bool) if mask is None else mask
+  diff = np.abs(np.where(mask, a - b, 0)).max()
+  assert diff < TOL, f"{name}: max |diff| {diff:.3g}, values up to {np.abs(np.where(mask, a, 0)).max():.3g}"
+
+
+def scored(prompt_mask, response_mask):
+  """Positions whose log-prob any loss reads: prompt or response, never column 0."""
+  return (prompt_mask | response_mask) & (np.arange(prompt_mask.shape[1])[None] >= 1)
+
+
+@pytest.mark.parametrize("cfg, temperature", [(LLAMA, 1.0), (QWEN2, 0.7)], ids=["llama", "qwen2-bias-untied"])
+def test_log_probs_and_entropy_equal_plain_layout(cfg, temperature):
+  tokens, prompt_len, pm, rm = make_rows(seed=1)
+  (lp_a, ent_a), (lp_b, ent_b) = both_layouts(tiny_model(cfg, seed=3), tokens, prompt_len,
+                                              temperature=temperature)
+  mask = scored(pm, rm)
+  assert lp_b.shape == ent_b.shape == (B * G, S)
+  assert_close(lp_a, lp_b, mask)
+  assert_close(ent_a, ent_b, mask)
+  assert np.all(lp_b < -1, where=mask) and np.all(ent_b > 1, where=mask)  # real values, not zeros
+
+
+def test_positions_outside_prompt_and_response_bucket_are_zero():
+  tokens, prompt_len, pm, rm = make_rows(seed=2)
+  _, (lp, ent) = both_layouts(tiny_model(LLAMA, seed=0), tokens, prompt_len)
+  t = np.arange(S)[None]
+  outside = (t == 0) | (t >= np.asarray(prompt_len)[:, None] + R)
+  assert outside.any() and np.all(lp[outside] == 0) and np.all(ent[outside] == 0)
+
+
+def test_group_size_one_equals_plain_layout():
+  tokens, prompt_len, pm, rm = make_rows(seed=4, b=5, g=1)
+  (lp_a, _), (lp_b, _) = both_layouts(tiny_model(LLAMA, seed=0), tokens, prompt_len, g=1)
+  assert_close(lp_a, lp_b, scored(pm, rm))
+
+
+def test_rows_that_are_not_whole_groups_raise():
+  model = tiny_model(LLAMA, seed=0)
+  tokens, prompt_len, _, _ = make_rows()
+  with pytest.raises(ValueError, match="whole groups"):
+    shared_prefix.shared_prefix_log_probs(model, tokens[:-1], prompt_len[:-1], G, prompt_bucket=P,
+                                          response_bucket=R)
+
+
+def _loss(state, graph, shared, tokens, prompt_len, pm, rm, old, ref, adv, w, kl_on):
+  model = nnx.merge(graph, state)
+  if shared == "packed":
+    response_len = rm.sum(axis=1)
+    logp, ent = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
+                                               response_bucket=R, capacity=PACKED_CAPACITY, chunk=16,
+                                               with_entropy=True)
+  elif shared:
+    logp, ent = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
+                                                      response_bucket=R, chunk=16, with_entropy=True)
+  else:
+    logp, ent = llama.log_probs(model, tokens, chunk=16, with_entropy=True)
+  loss, _ = losses.erpo_loss(logp, old, ref, pm, rm, adv, w, alpha=0.5, kl_on=kl_on, entropy_NxS=ent,
+                             entropy_coef=0.1)
+  return loss
+
+
+_value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=(1, 2, 11))
+
+
+@pytest.mark.parametrize("cfg, kl_on, remat, layout", [
+    (LLAMA, "prompt", False, True), (QWEN2, "all", True, True),
+    (LLAMA, "all", False, "packed"), (QWEN2, "response", "dots", "packed")],
+    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat-dots"])
+def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layout):
+  # The prompt is computed once per group in the shared layout; its gradient must still collect
+  # the contributions of all G copies (Query-KL counts every row, and responses attend to it).
+  tokens, prompt_len, pm, rm = make_rows(seed=5)
+  model = tiny_model(cfg, seed=7, remat=remat)
+  graph, state = nnx.split(model)
+  rng = np.random.default_rng(0)
+  logp0 = np.asarray(llama.log_probs(model, tokens, chunk=16))
+  mask = scored(pm, rm)
+  old = np.where(mask, logp0 + rng.normal(0, 0.1, logp0.shape), 0).astype(np.float32)
+  ref = np.where(mask, logp0 + rng.normal(0, 0.3, logp0.shape), 0).astype(np.float32)
+  adv = rng.normal(size=B * G).astype(np.float32)
+  w = rng.uniform(0.5, 2.0, B * G).astype(np.float32)
+  args = (tokens, prompt_len, pm, rm, old, ref, adv, w, kl_on)
+  loss_a, grads_a = _value_and_grad(state, graph, False, *args)
+  loss_b, grads_b = _value_and_grad(state, graph, layout, *args)
+  assert_close(loss_a, loss_b)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_a), jax.tree.leaves(grads_b)):
+    assert float(jnp.abs(a).max()) > 1e-3, jax.tree_util.keystr(path)  # a real gradient reaches every leaf
+    assert_close(a, b, name=jax.tree_util.keystr(path))
+
+
+PACKED_CAPACITY = 96  # >= the 80 response tokens of make_rows(seed=5), < N*R = 144 slots
+
+
+@pytest.mark.parametrize("cfg, slack", [(LLAMA, 0), (QWEN2, 7)], ids=["llama-exact-capacity", "qwen2-spare-slots"])
+def test_packed_responses_equal_plain_layout_and_are_zero_after_each_response(cfg, slack):
+  tokens, prompt_len, pm, rm = make_rows(seed=1)
+  model = tiny_model(cfg, seed=3)
+  response_len = jnp.asarray(rm.sum(axis=1))
+  capacity = int(response_len.sum()) + slack
+  assert capacity < B * G * R  # fewer slots than the unpacked [N, R] response rows
+  plain = llama.log_probs(model, tokens, chunk=16, with_entropy=True)
+  packed = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
+                                          response_bucket=R, capacity=capacity, chunk=16, with_entropy=True)
+  mask = scored(pm, rm)
+  for a, b in zip(plain, packed):
+    assert_close(np.asarray(a), np.asarray(b), mask)
+    assert np.all(np.asarray(b)[~mask] == 0)
+
+
+def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
+  response_len = jnp.array([3, 0, 5, 2])
+  idx, inv = shared_prefix.stream_index(response_len, R=5, C=12)
+  idx, inv = np.asarray(idx).reshape(4, 5), np.asarray(inv)
+  assert idx[0].tolist() == [0, 1, 2, 12, 12] and idx[1].tolist() == [12] * 5
+  assert idx[2].tolist() == [3, 4, 5, 6, 7] and idx[3].tolist() == [8, 9, 12, 12, 12]
+  assert inv.tolist() == [0, 1, 2, 10, 11, 12, 13, 14, 15, 16, 20, 20]  # slots 10, 11 unused (K = 20)
+  assert shared_prefix.packed_capacity(1427, 2048) == 1536 and shared_prefix.packed_capacity(3000, 2048) == 2048
+
+
+def test_shared_layout_needs_fewer_flops():
+  # Tokens run: plain N*S = 12*26 = 312; shared B*P + N*R = 30 + 144 = 174 (about 0.56x).
+  tokens, prompt_len, _, _ = make_rows()
+  graph, state = nnx.split(tiny_model(LLAMA, seed=0))
+
+  def flops(shared):
+    def f(state):
+      model = nnx.merge(graph, state)
+      if shared:
+        return shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
+                                                     response_bucket=R, chunk=16)[0].sum()
+      return llama.log_probs(model, tokens, chunk=16).sum()
+    cost = jax.jit(jax.grad(f)).lower(state).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+  assert flops(True) < 0.75 * flops(False)

@@ -1,0 +1,64 @@
+"""The training loop end to end on the tiny model: metrics, TensorBoard, weights modes, reference modes."""
+
+
+import numpy as np
+import pytest
+
+from erpo_jax.config import load_config
+from erpo_jax.metrics import SPEC_SCALARS, read_jsonl, read_tensorboard_scalars
+from erpo_jax.train.loop import train
+
+
+def run(tmp_path, name, *overrides):
+  cfg = load_config("configs/tiny.yaml", [f"run.dir={tmp_path / name}", *overrides])
+  last = train(cfg)
+  return cfg, last, read_jsonl(tmp_path / name / "metrics.jsonl")
+
+
+def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp_path):
+  cfg, last, rows = run(tmp_path, "a", "train.steps=2", "train.eval_every=2", "checkpoint.every=0")
+  assert [r["step"] for r in rows] == [1, 2]
+  tb = read_tensorboard_scalars(tmp_path / "a" / "tb")
+  missing = [name for name in SPEC_SCALARS if name not in tb]
+  assert not missing, missing
+  for name in SPEC_SCALARS:
+    assert all(np.isfinite(v) for _, v in tb[name]), name
+  assert tb["kl/query"][-1][1] == pytest.approx(rows[-1]["kl/query"], rel=1e-6)
+  # Both KLs every step, whichever is penalised.
+  assert all("kl/query" in r and "kl/policy" in r for r in rows)
+  assert (tmp_path / "a" / "checkpoints" / "2").is_dir()  # the last step is always saved
+
+
+def test_static_weights_come_from_the_reference_cache(tmp_path):
+  cfg, last, rows = run(tmp_path, "s", "train.steps=1", "erpo.weights=static")
+  cache = np.load(tmp_path / "s" / "cache" / "reference_cache.npz")
+  w = cache["weights"]
+  assert w.min() >= 0.0 and w.max() <= 2.0
+  nll = cache["nll"]
+  np.testing.assert_allclose(w, np.clip(nll.mean() / nll, 0, 2), rtol=1e-5)
+  assert w.min() <= rows[0]["weight/mean"] <= w.max()
+
+
+def test_weights_none_gives_unit_weights_and_dynamic_follows_the_current_nll(tmp_path):
+  _, _, none = run(tmp_path, "n", "train.steps=1", "erpo.weights=none")
+  assert none[0]["weight/min"] == none[0]["weight/max"] == 1.0
+  _, _, dyn = run(tmp_path, "d", "train.steps=1", "erpo.weights=dynamic")
+  r = dyn[0]
+  # w = mean(nll) / nll: its extremes are mean/max and mean/min of the prompt NLLs.
+  assert r["weight/min"] == pytest.approx(r["prompt_nll/mean"] / r["prompt_nll/max"], rel=1e-4)
+  assert r["weight/max"] == pytest.approx(r["prompt_nll/mean"] / r["prompt_nll/min"], rel=1e-4)
+
+
+def test_cached_reference_gives_the_same_first_step_as_the_reference_forward(tmp_path):
+  _, _, fwd = run(tmp_path, "f", "train.steps=1", "erpo.reference=forward", "erpo.alpha=1.0")
+  _, _, cached = run(tmp_path, "c", "train.steps=1", "erpo.reference=cached", "erpo.alpha=1.0")
+  # At step 1 the policy is the reference: both KLs are zero and the losses agree.
+  for key in ("kl/query", "kl/policy", "loss/total", "loss/pg", "reward/mean"):
+    assert cached[0][key] == pytest.approx(fwd[0][key], abs=1e-6), key
+  assert abs(fwd[0]["kl/query"]) < 1e-6
+
+
+def test_config_is_saved_with_the_run(tmp_path):
+  cfg, _, _ = run(tmp_path, "c", "train.steps=1")
+  saved = load_config(tmp_path / "c" / "config.yaml")
+  assert saved == cfg

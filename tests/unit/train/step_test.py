@@ -1,0 +1,241 @@
+"""The jitted update: compiles once, equals losses.erpo_loss, and sharded == unsharded."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from erpo_jax.algo import losses
+from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.train import step as train_step
+from erpo_jax.config import load_config
+from erpo_jax.model import llama
+
+B, G, S, V = 2, 4, 24, 128
+
+
+def tiny_cfg(*overrides):
+  base = ["model.path=random", f"model.random_init.vocab_size={V}", "model.random_init.hidden_size=32",
+          "model.random_init.num_layers=2", "model.random_init.num_heads=4", "model.random_init.num_kv_heads=2",
+          "model.random_init.head_dim=8", "model.random_init.intermediate_size=64", f"data.batch_size={B}",
+          f"rollout.group_size={G}", "optim.lr=1e-2", "model.logits_chunk=40", "erpo.reference=forward"]
+  return load_config(None, base + list(overrides))
+
+
+def make_batch(seed=0, n=B * G, s=S):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, V, (n, s)).astype(np.int32)
+  prompt_len = rng.integers(3, 9, n // G).repeat(G)
+  resp_len = rng.integers(1, s - 9, n)
+  pos = np.arange(s)[None]
+  prompt_mask = pos < prompt_len[:, None]
+  response_mask = (pos >= prompt_len[:, None]) & (pos < (prompt_len + resp_len)[:, None])
+  for i in range(0, n, G):  # the G rows of a prompt share it
+    tokens[i + 1:i + G, :prompt_len[i]] = tokens[i, :prompt_len[i]]
+  tokens = np.where(prompt_mask | response_mask, tokens, 0)
+  return train_step.UpdateBatch(
+      tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask), response_mask=jnp.asarray(response_mask),
+      rewards=jnp.asarray(rng.integers(0, 2, n).astype(np.float32)),
+      ref_logp=jnp.asarray(np.where(prompt_mask, -rng.random((n, s)) * 5, 0).astype(np.float32)),
+      static_weight=jnp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32)))
+
+
+def build(cfg, devices=None, model_seed=0):
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
+  mc = llama.model_config_from_random_init(cfg.model.random_init)
+  model = llama.init_random(mc, seed=model_seed)
+  ref = llama.init_random(mc, seed=model_seed + 1)
+  mesh_lib.shard_model(model, mesh)
+  mesh_lib.shard_model(ref, mesh)
+  graphdef, params = nnx.split(model)
+  _, ref_params = nnx.split(ref)
+  psh = mesh_lib.param_shardings(params, mesh)
+  settings = train_step.settings_from_config(cfg)
+  tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
+  osh = train_step.opt_state_shardings(tx, params, psh, mesh)
+  opt_state = train_step.init_opt_state(tx, params, osh)
+  step = train_step.build_train_step(graphdef, tx, schedule, settings, mesh=mesh, param_shardings=psh,
+                                     opt_shardings=osh,
+                                     ref_shardings=psh if settings.reference == "forward" else None)
+  return step, graphdef, params, ref_params, opt_state
+
+
+def expected_loss(cfg, graphdef, params, ref_params, batch):
+  """losses.erpo_loss on separately computed log-probs."""
+  model = nnx.merge(graphdef, params)
+  logp = llama.log_probs(model, batch.tokens)
+  ref = llama.log_probs(nnx.merge(graphdef, ref_params), batch.tokens)
+  adv = losses.group_advantages(batch.rewards, G)
+  w = {"static": batch.static_weight, "none": jnp.ones(B * G)}.get(cfg.erpo.weights)
+  if cfg.erpo.weights == "dynamic":
+    w = losses.dynamic_weights(*losses.prompt_nll(logp, batch.prompt_mask))
+  loss, _ = losses.erpo_loss(logp, logp, ref, batch.prompt_mask, batch.response_mask, adv, w,
+                             alpha=cfg.erpo.alpha, kl_on=cfg.erpo.kl_on)
+  return float(loss)
+
+
+@pytest.mark.parametrize("weights,kl_on", [("static", "prompt"), ("dynamic", "prompt"), ("none", "response"),
+                                           ("static", "all")])
+def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on):
+  cfg = tiny_cfg(f"erpo.weights={weights}", f"erpo.kl_on={kl_on}", "erpo.reference=forward", "erpo.alpha=0.5")
+  step, graphdef, params, ref_params, opt_state = build(cfg)
+  batch = make_batch()
+  want = expected_loss(cfg, graphdef, params, ref_params, batch)
+  _, _, metrics = step(params, opt_state, ref_params, batch)
+  assert float(metrics["loss/total"]) == pytest.approx(want, rel=1e-6, abs=1e-6)  # float32: ~4 ulp
+  assert float(metrics["optim/finite"]) == 1.0
+
+
+def test_step_compiles_once_for_a_fixed_bucket():
+  cfg = tiny_cfg()
+  step, graphdef, params, ref_params, opt_state = build(cfg)
+  for seed in range(3):
+    params, opt_state, metrics = step(params, opt_state, ref_params, make_batch(seed))
+  assert step._cache_size() == 1
+  step(params, opt_state, ref_params, make_batch(0, s=S + 8))
+  assert step._cache_size() == 2
+
+
+def test_step_updates_params_and_logs_every_spec_scalar():
+  cfg = tiny_cfg()
+  step, graphdef, params, ref_params, opt_state = build(cfg)
+  before = jax.tree.map(np.array, params)
+  params, opt_state, metrics = step(params, opt_state, ref_params, make_batch())
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, params)
+  assert all(jax.tree.leaves(changed))
+  for name in ["kl/query", "kl/policy", "loss/pg", "loss/kl", "loss/total", "clip/low", "clip/high", "clip/dual",
+               "ratio/mean", "ratio/min", "ratio/max", "weight/mean", "weight/min", "weight/max",
+               "prompt_nll/mean", "prompt_nll/min", "prompt_nll/max", "entropy/mean", "optim/grad_norm",
+               "optim/lr", "reward/zero_std_groups", "kl/clamped_frac"]:
+    assert name in metrics and np.isfinite(float(metrics[name])), name
+
+
+def test_static_weights_scale_the_task_term_and_not_the_penalty():
+  cfg_w = tiny_cfg("erpo.weights=static", "erpo.alpha=0.0")
+  cfg_1 = tiny_cfg("erpo.weights=none", "erpo.alpha=0.0")
+  batch = make_batch()
+  doubled = batch.replace(static_weight=jnp.full((B * G,), 2.0))
+  step, _, params, ref, opt = build(cfg_w)
+  _, _, m_w = step(params, opt, ref, doubled)
+  step, _, params, ref, opt = build(cfg_1)
+  _, _, m_1 = step(params, opt, ref, batch)
+  assert abs(float(m_w["loss/pg"]) - 2 * float(m_1["loss/pg"])) < 1e-6
+  # The penalty is never weighted: same kl with any weights.
+  cfg_kw = tiny_cfg("erpo.weights=static", "erpo.alpha=1.0")
+  cfg_k1 = tiny_cfg("erpo.weights=none", "erpo.alpha=1.0")
+  step, _, params, ref, opt = build(cfg_kw)
+  _, _, k_w = step(params, opt, ref, doubled)
+  step, _, params, ref, opt = build(cfg_k1)
+  _, _, k_1 = step(params, opt, ref, batch)
+  assert abs(float(k_w["loss/kl"]) - float(k_1["loss/kl"])) < 1e-7
+  assert abs(float(k_w["loss/total"]) - (2 * float(k_1["loss/pg"]) + float(k_1["loss/kl"]))) < 1e-6
+
+
+def test_kl_on_prompt_penalises_query_kl_and_response_penalises_policy_kl():
+  batch = make_batch()
+  out = {}
+  for kl_on in ("prompt", "response", "none"):
+    step, _, params, ref, opt = build(tiny_cfg(f"erpo.kl_on={kl_on}", "erpo.alpha=1.0", "erpo.weights=none"))
+    out[kl_on] = {k: float(v) for k, v in step(params, opt, ref, batch)[2].items()}
+  # Both KLs are logged whichever is penalised, and agree across modes.
+  assert out["prompt"]["kl/query"] == pytest.approx(out["response"]["kl/query"], abs=1e-7)
+  assert out["prompt"]["kl/policy"] == pytest.approx(out["response"]["kl/policy"], abs=1e-7)
+  assert out["prompt"]["loss/kl"] == pytest.approx(out["prompt"]["kl/query"], abs=1e-6)
+  assert out["response"]["loss/kl"] == pytest.approx(out["response"]["kl/policy"], abs=1e-6)
+  assert out["none"]["loss/total"] == pytest.approx(out["none"]["loss/pg"], abs=1e-7)
+
+
+def test_cached_reference_needs_no_reference_params():
+  cfg = tiny_cfg("erpo.reference=cached", "erpo.kl_on=prompt", "erpo.alpha=1.0")
+  step, graphdef, params, _, opt = build(cfg)
+  batch = make_batch()
+  logp = llama.log_probs(nnx.merge(graphdef, params), batch.tokens)
+  want = losses.query_kl(logp, batch.ref_logp, batch.prompt_mask).per_row_N.mean()
+  _, _, m = step(params, opt, None, batch)  # params are donated: compute the expectation first
+  assert float(m["loss/kl"]) == pytest.approx(float(want), abs=1e-6)
+
+
+def test_minibatches_use_whole_batch_counts_and_same_dynamic_weights():
+  batch = make_batch()
+  one = tiny_cfg("erpo.weights=dynamic", "ppo.minibatches=1", "ppo.epochs=2")
+  two = tiny_cfg("erpo.weights=dynamic", "ppo.minibatches=2", "ppo.epochs=1")
+  step1, _, p1, r1, o1 = build(one)
+  step2, _, p2, r2, o2 = build(two)
+  m1 = step1(p1, o1, r1, batch)[2]
+  m2 = step2(p2, o2, r2, batch)[2]
+  # Weights come from the pre-update forward over the whole batch in both layouts.
+  assert float(m1["weight/mean"]) == pytest.approx(float(m2["weight/mean"]), abs=1e-6)
+  assert np.isfinite(float(m2["loss/total"]))
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    import step_test as t
+    out = {{}}
+    batch = t.make_batch()
+    for shape in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]:
+      d, f, tp = shape
+      cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}")
+      devices = jax.devices()[:d * f * tp]
+      step, _, params, ref, opt = t.build(cfg, devices=devices)
+      params, opt, m = step(params, opt, ref, batch)
+      out[str(shape)] = {{"metrics": {{k: float(v) for k, v in m.items()}},
+                         "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
+    print(json.dumps(out))
+""")
+
+
+def test_sharded_step_equals_one_device_on_8_cpu_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  code = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__))
+  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.strip().splitlines()[-1])
+  base = out["(1, 1, 1)"]
+  for shape in ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]:
+    for k, v in base["metrics"].items():
+      assert out[shape]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (shape, k)
+    for a, b in zip(base["params"], out[shape]["params"]):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_shared_prefix_step_equals_the_plain_layout():
+  # Caps P=8, R=16 make [B,P] + [N,R] smaller than [N,S], so the shared-prefix forward runs.
+  caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-6"]
+  batch = make_batch()
+  out = {}
+  for shared in (True, False):
+    step, _, params, ref, opt = build(tiny_cfg(*caps, f"model.shared_prefix={str(shared).lower()}",
+                                               "erpo.kl_on=all", "erpo.alpha=0.5"))
+    out[shared] = {k: float(v) for k, v in step(params, opt, ref, batch)[2].items()}
+  for key, value in out[False].items():
+    assert out[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_packed_responses_step_equals_the_unpacked_step():
+  caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-3", "erpo.kl_on=all",
+          "erpo.alpha=0.5", "erpo.weights=dynamic"]
+  batch = make_batch()
+  R = 16
+  response_tokens = int(np.minimum(np.asarray(batch.response_mask).sum(axis=1), R).sum())
+  capacity = response_tokens + 3
+  assert capacity < B * G * R  # fewer slots than the unpacked response rows: the packed forward runs
+  out = {}
+  for cap in (None, capacity):
+    step, _, params, ref, opt = build(tiny_cfg(*caps))
+    new_params, _, metrics = step(params, opt, ref, batch, None, cap)
+    out[cap] = ({k: float(v) for k, v in metrics.items()}, [np.asarray(x) for x in jax.tree.leaves(new_params)])
+  for key, value in out[None][0].items():
+    assert out[capacity][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+  for a, b in zip(out[None][1], out[capacity][1]):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert abs(out[None][0]["loss/total"]) > 1e-3
