@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+  # Each command imports what it needs here: `erpo-jax --help` and config errors stay fast, without JAX.
   from erpo_jax.parallel import multihost
-  from erpo_jax.config import load_config
+  from erpo_jax.config_io import load_config
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
   cfg = load_config(args.config, args.overrides)

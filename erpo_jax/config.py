@@ -327,14 +327,3 @@ def _to_plain(x):
   if isinstance(x, tuple):
     return [_to_plain(v) for v in x]
   return x
-
-
-def load_config(path=None, overrides=()) -> Config:
-  """Reads a YAML config (sections of Config) and applies `key.sub=value` overrides (see config_io)."""
-  from erpo_jax import config_io
-  return config_io.load_config(path, overrides)
-
-
-def dump_config(cfg: Config) -> str:
-  import yaml
-  return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -62,7 +62,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def reference_logp(model, tokens_NxS: np.ndarray) -> np.ndarray:
-  """out[:, t] = log P(x_t | x_<t) in float32, out[:, 0] = 0 (erpo-jax's llama.log_probs convention)."""
+  """out[:, t] = log P(x_t | x_<t) in float32, out[:, 0] = 0 (erpo-jax's logprobs.log_probs convention)."""
   with torch.no_grad():
     logits = model(torch.tensor(tokens_NxS, dtype=torch.long)).logits.float()
   logp = torch.log_softmax(logits, dim=-1)[:, :-1]

@@ -44,16 +44,18 @@ def child_env(**extra: str) -> dict[str, str]:
   return env
 
 
-def train_cmd(run_dir, *overrides: str, config: str = TINY) -> list[str]:
-  return [sys.executable, "-m", "erpo_jax.cli", "train", "--config", config, f"run.dir={run_dir}", *BASE,
-          *overrides]
+def train_cmd(run_dir, *overrides: str, config: str = TINY, nan_step: int | None = None) -> list[str]:
+  """`erpo-jax train` on the tiny config; with nan_step, through tests/fault_train.py (NaN rewards at that step)."""
+  entry = ["-m", "erpo_jax.cli"] if nan_step is None else [str(REPO / "tests" / "fault_train.py"),
+                                                          "--nan-step", str(nan_step)]
+  return [sys.executable, *entry, "train", "--config", config, f"run.dir={run_dir}", *BASE, *overrides]
 
 
 def run_train(run_dir, *overrides: str, env: dict | None = None, timeout: float = RUN_TIMEOUT_S,
-              **kw) -> subprocess.CompletedProcess:
+              nan_step: int | None = None, **kw) -> subprocess.CompletedProcess:
   """Runs a training command to completion; returns it with text stdout/stderr."""
-  return subprocess.run(train_cmd(run_dir, *overrides), cwd=REPO, env=env or child_env(), capture_output=True,
-                        text=True, timeout=timeout, **kw)
+  return subprocess.run(train_cmd(run_dir, *overrides, nan_step=nan_step), cwd=REPO, env=env or child_env(),
+                        capture_output=True, text=True, timeout=timeout, **kw)
 
 
 class Training:

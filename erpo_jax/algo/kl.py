@@ -1,7 +1,7 @@
 """KL estimators of a log-ratio and the masked per-row penalty (Query-KL on prompts, Policy-KL on responses).
 
 Dimension letters: N rows (sequences), S sequence length. `logp_NxS[:, t]` is
-log P(x_t | x_<t) (model.llama.log_probs), so column 0 has no log-prob: every
+log P(x_t | x_<t) (model.logprobs.log_probs), so column 0 has no log-prob: every
 function here that takes log-probs ignores column 0 of its mask (SPEC: the
 first prompt token never enters any sum).
 """
@@ -79,9 +79,8 @@ class RowKL(NamedTuple):
   clamped: jax.Array  # scalar: masked tokens where a clamp was active (float)
 
 
-def query_kl(logp_NxS: jax.Array, ref_logp_NxS: jax.Array, mask_NxS: jax.Array, *,
-             estimator: Estimator = "k3", log_ratio_clamp: float = 20.0,
-             kl_max: float = 10.0) -> RowKL:
+def row_kl(logp_NxS: jax.Array, ref_logp_NxS: jax.Array, mask_NxS: jax.Array, *,
+           estimator: Estimator = "k3", log_ratio_clamp: float = 20.0, kl_max: float = 10.0) -> RowKL:
   """D(i) = (1 / |M_i|) sum_{t in M_i} k(logp_t - ref_t), M_i the masked positions of row i.
 
   With the prompt mask this is D_query (ERPO's Query-KL); with the response

@@ -1,38 +1,22 @@
-"""ERPO/GRPO loss: clipped ratio term weighted per question plus a masked KL penalty, as (sum, count) pieces.
+"""ERPO/GRPO loss (SPEC sections 4-5): the clipped ratio term weighted per question plus a masked KL penalty.
 
 Dimension letters: N rows (sequences), S sequence length. Every function is
 pure (arrays and static scalars/strings in, arrays out) and meant to be traced
 inside the one jitted train step. Column 0 of a log-prob mask is ignored
 (kl.scored_mask). Losses are kept as (sum, count) until one final division so
 minibatches, accumulation steps and hosts combine exactly: sum the sums, sum
-the counts, divide once (`ratio`).
-
-Metric dicts use key suffixes that say how to combine them across calls:
-`name/sum` + `name/count` (mean), `name/min`, `name/max`, and `loss/part`
-(the objective of one call; the parts add up to the update batch's loss when
-the global counts were passed). `combine_metrics` and `finalize_metrics` do it.
+the counts, divide once (`ratio`). Statistics that are only logged live in
+`algo.diagnostics`.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Mapping, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.algo.advantages import (NLL_FLOOR, dynamic_weights, group_advantages,
-                                 group_advantages_by_id, nll_sum_count, prompt_nll, static_weights,
-                                 zero_std_group_fraction)
-from erpo_jax.algo.kl import (RowKL, k1_from_log_ratio, k2_from_log_ratio, k3_from_log_ratio,
-                         kl_estimate, query_kl, scored_mask, token_kl)
-
-__all__ = [
-    "Aggregation", "Denominators", "KLOn", "NLL_FLOOR", "RATIO_LOG_CLAMP", "RowKL", "aggregate", "aggregate_count",
-    "clipped_pg_loss", "combine_metrics", "dynamic_weights", "erpo_diagnostics", "erpo_loss", "finalize_metrics",
-    "global_denominators", "group_advantages", "group_advantages_by_id", "k1_from_log_ratio", "k2_from_log_ratio",
-    "k3_from_log_ratio", "kl_estimate", "kl_mask", "nll_sum_count", "pg_diagnostics", "prompt_nll", "query_kl",
-    "ratio", "scored_mask", "static_weights", "token_kl", "zero_std_group_fraction",
-]
+from erpo_jax.algo.kl import scored_mask, token_kl
 
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"]
 KLOn = Literal["prompt", "response", "all", "none"]
@@ -98,22 +82,24 @@ def global_denominators(prompt_mask_NxS: jax.Array, response_mask_NxS: jax.Array
   """Denominators of a batch: run on the whole update batch, pass to erpo_loss for each minibatch."""
   return Denominators(aggregate_count(scored_mask(response_mask_NxS), loss_aggregation),
                       aggregate_count(kl_mask(prompt_mask_NxS, response_mask_NxS, kl_on),
-                                      _kl_mode(kl_aggregation)))
+                                      kl_mode(kl_aggregation)))
 
 
-def _kl_mode(kl_aggregation: str) -> Aggregation:
+def kl_mode(kl_aggregation: str) -> Aggregation:
+  """The aggregate() mode of a KL aggregation name: row-mean -> seq-mean-token-mean, token-mean."""
   if kl_aggregation not in _KL_AGGREGATION:
     raise ValueError(f"kl_aggregation must be one of {sorted(_KL_AGGREGATION)}, got {kl_aggregation!r}")
   return _KL_AGGREGATION[kl_aggregation]
 
 
-def _ratio_NxS(logp_NxS, old_logp_NxS, mask_NxS):
+def ratio_NxS(logp_NxS: jax.Array, old_logp_NxS: jax.Array, mask_NxS: jax.Array) -> jax.Array:
   """r_t = exp(clip(logp_t - sg(old_t), -20, 20)), with the log-ratio masked before exp."""
   log_ratio = jnp.where(mask_NxS, logp_NxS - jax.lax.stop_gradient(old_logp_NxS), 0.0)
   return jnp.exp(jnp.clip(log_ratio, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
 
 
-def _advantages_NxS(advantages, shape):
+def advantages_NxS(advantages: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Constant advantages [N] or [N, S] broadcast to [N, S]."""
   advantages = jax.lax.stop_gradient(jnp.asarray(advantages))
   return jnp.broadcast_to(advantages[:, None] if advantages.ndim == 1 else advantages, shape)
 
@@ -127,39 +113,12 @@ def clipped_pg_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array, advantages: ja
   advantages is [N] (broadcast over tokens) or [N, S]; it and old_logp are constants.
   """
   mask_NxS = scored_mask(mask_NxS)
-  r_NxS = _ratio_NxS(logp_NxS, old_logp_NxS, mask_NxS)
-  a_NxS = jnp.where(mask_NxS, _advantages_NxS(advantages, r_NxS.shape), 0.0)
+  r_NxS = ratio_NxS(logp_NxS, old_logp_NxS, mask_NxS)
+  a_NxS = jnp.where(mask_NxS, advantages_NxS(advantages, r_NxS.shape), 0.0)
   loss_NxS = jnp.maximum(-a_NxS * r_NxS, -a_NxS * jnp.clip(r_NxS, 1.0 - eps_low, 1.0 + eps_high))
   if dual_clip is not None:
     loss_NxS = jnp.where(a_NxS < 0, jnp.minimum(loss_NxS, -a_NxS * dual_clip), loss_NxS)
   return jnp.where(mask_NxS, loss_NxS, 0.0)
-
-
-def pg_diagnostics(logp_NxS: jax.Array, old_logp_NxS: jax.Array, advantages: jax.Array, mask_NxS: jax.Array,
-                   eps_low: float = 0.2, eps_high: float = 0.2,
-                   dual_clip: float | None = None) -> dict[str, jax.Array]:
-  """Token counts where each clip is active (its branch has zero gradient) and ratio statistics.
-
-  clip_low: A < 0 and r < 1 - eps_low; clip_high: A > 0 and r > 1 + eps_high;
-  dual_clip: A < 0 and r > c. Fractions and the ratio mean are (sum, count)
-  pieces over masked tokens; ratio min/max are over masked tokens (+-inf if none).
-  """
-  mask_NxS = scored_mask(mask_NxS)
-  r_NxS = jax.lax.stop_gradient(_ratio_NxS(logp_NxS, old_logp_NxS, mask_NxS))
-  a_NxS = _advantages_NxS(advantages, r_NxS.shape)
-  count = mask_NxS.sum().astype(r_NxS.dtype)
-  dual = (a_NxS < 0) & (r_NxS > dual_clip) if dual_clip is not None else jnp.zeros_like(mask_NxS)
-  flags = {"clip_low": (a_NxS < 0) & (r_NxS < 1.0 - eps_low),
-           "clip_high": (a_NxS > 0) & (r_NxS > 1.0 + eps_high), "dual_clip": dual}
-  out = {}
-  for name, flag_NxS in flags.items():
-    out[f"{name}/sum"] = (flag_NxS & mask_NxS).sum().astype(r_NxS.dtype)
-    out[f"{name}/count"] = count
-  out["ratio/sum"] = jnp.where(mask_NxS, r_NxS, 0.0).sum()
-  out["ratio/count"] = count
-  out["ratio/min"] = jnp.where(mask_NxS, r_NxS, jnp.inf).min()
-  out["ratio/max"] = jnp.where(mask_NxS, r_NxS, -jnp.inf).max()
-  return out
 
 
 def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS: jax.Array,
@@ -181,7 +140,8 @@ def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS:
   `denominators` (global_denominators of the whole update batch) replace the
   batch's own counts, so minibatch losses add up to the update batch's loss.
   Gradient flows through logp only: old, ref, advantages and weights are constants.
-  Returns (loss, metrics) with metrics as combinable pieces (module docstring).
+  Returns (loss, pieces): loss/pg, loss/kl, loss/total, kl/clamped_frac and entropy/mean as
+  combinable pieces (algo.diagnostics.combine_metrics / finalize_metrics).
   """
   response_NxS = scored_mask(response_mask_NxS)
   penalised_NxS = kl_mask(prompt_mask_NxS, response_mask_NxS, kl_on)
@@ -193,67 +153,15 @@ def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS:
   pg_sum, pg_local = aggregate(w_N[:, None] * pg_NxS, response_NxS, loss_aggregation)
   kl_NxS, clamped_NxS = token_kl(logp_NxS, ref_logp_NxS, penalised_NxS, estimator=estimator,
                                  log_ratio_clamp=log_ratio_clamp, kl_max=kl_max)
-  kl_sum, kl_local = aggregate(kl_NxS, penalised_NxS, _kl_mode(kl_aggregation))
+  kl_sum, kl_local = aggregate(kl_NxS, penalised_NxS, kl_mode(kl_aggregation))
   pg_den, kl_den = (pg_local, kl_local) if denominators is None else denominators
   loss = ratio(pg_sum, pg_den) + alpha * ratio(kl_sum, kl_den)
-  metrics = {"pg_loss/sum": pg_sum, "pg_loss/count": pg_local, "kl_loss/sum": kl_sum, "kl_loss/count": kl_local,
-             "kl_clamped/sum": clamped_NxS.sum().astype(kl_sum.dtype),
-             "kl_clamped/count": penalised_NxS.sum().astype(kl_sum.dtype)}
+  metrics = {"loss/pg/sum": pg_sum, "loss/pg/count": pg_local, "loss/kl/sum": kl_sum, "loss/kl/count": kl_local,
+             "kl/clamped_frac/sum": clamped_NxS.sum().astype(kl_sum.dtype),
+             "kl/clamped_frac/count": penalised_NxS.sum().astype(kl_sum.dtype)}
   if entropy_NxS is not None:
     ent_sum, ent_local = aggregate(entropy_NxS, response_NxS, loss_aggregation)
     loss = loss - entropy_coef * ratio(ent_sum, pg_den)
-    metrics.update({"entropy/sum": ent_sum, "entropy/count": ent_local})
-  metrics["loss/part"] = loss
-  metrics.update(pg_diagnostics(logp_NxS, old_logp_NxS, advantages_N, response_NxS, eps_low, eps_high, dual_clip))
-  metrics.update(erpo_diagnostics(logp_NxS, ref_logp_NxS, prompt_mask_NxS, response_mask_NxS, w_N,
-                                  log_ratio_clamp=log_ratio_clamp, kl_max=kl_max, kl_aggregation=kl_aggregation))
+    metrics.update({"entropy/mean/sum": ent_sum, "entropy/mean/count": ent_local})
+  metrics["loss/total/part"] = loss
   return loss, metrics
-
-
-def erpo_diagnostics(logp_NxS: jax.Array, ref_logp_NxS: jax.Array, prompt_mask_NxS: jax.Array,
-                     response_mask_NxS: jax.Array, weights_N: jax.Array, *, log_ratio_clamp: float = 20.0,
-                     kl_max: float = 10.0, kl_aggregation: str = "row-mean") -> dict[str, jax.Array]:
-  """Logged whichever side is penalised: query_kl (prompt k3) and policy_kl (response k3) under
-  kl_aggregation, and weight / current prompt NLL mean, min, max over rows that have those tokens."""
-  logp_NxS, ref_logp_NxS = jax.lax.stop_gradient(logp_NxS), jax.lax.stop_gradient(ref_logp_NxS)
-  out = {}
-  for name, mask_NxS in (("query_kl", prompt_mask_NxS), ("policy_kl", response_mask_NxS)):
-    k_NxS, _ = token_kl(logp_NxS, ref_logp_NxS, mask_NxS, estimator="k3",
-                        log_ratio_clamp=log_ratio_clamp, kl_max=kl_max)
-    out[f"{name}/sum"], out[f"{name}/count"] = aggregate(k_NxS, scored_mask(mask_NxS),
-                                                         _kl_mode(kl_aggregation))
-  rows_N = scored_mask(response_mask_NxS).any(axis=1)
-  nll_N, valid_N = prompt_nll(logp_NxS, prompt_mask_NxS)
-  for name, v_N, keep_N in (("weight", jax.lax.stop_gradient(weights_N), rows_N), ("prompt_nll", nll_N, valid_N)):
-    out[f"{name}/sum"] = jnp.where(keep_N, v_N, 0.0).sum()
-    out[f"{name}/count"] = keep_N.sum().astype(out[f"{name}/sum"].dtype)
-    out[f"{name}/min"] = jnp.where(keep_N, v_N, jnp.inf).min()
-    out[f"{name}/max"] = jnp.where(keep_N, v_N, -jnp.inf).max()
-  return out
-
-
-def combine_metrics(pieces: Sequence[Mapping[str, jax.Array]] | Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-  """Merges metric pieces of several calls (a list of dicts, or one dict stacked on axis 0 as
-  lax.scan returns it): sums add, counts add, min of mins, max of maxes, loss parts add."""
-  if not isinstance(pieces, Mapping):
-    pieces = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces)
-  reduce = {"min": jnp.min, "max": jnp.max}
-  return {key: reduce.get(key.rsplit("/", 1)[-1], jnp.sum)(value, axis=0) for key, value in pieces.items()}
-
-
-def finalize_metrics(pieces: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-  """Metric values from pieces: name = ratio(name/sum, name/count); min/max kept, +-inf (no tokens) -> 0.
-
-  Means of flags are named *_frac (clip_low -> clip_low_frac, kl_clamped -> kl_clamped_frac).
-  """
-  out = {}
-  for key, value in pieces.items():
-    name, kind = key.rsplit("/", 1)
-    if kind == "sum":
-      frac = name in ("clip_low", "clip_high", "dual_clip", "kl_clamped")
-      out[f"{name}_frac" if frac else name] = ratio(value, pieces[f"{name}/count"])
-    elif kind in ("min", "max"):
-      out[f"{name}_{kind}"] = jnp.where(jnp.isfinite(value), value, 0.0)
-    elif kind == "part":
-      out[name] = value
-  return out

@@ -11,6 +11,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from erpo_jax.data.pipeline import make_train_iterator
+from erpo_jax.model.io.loading import load_model
+
 
 def timed(fn: Callable[[], Any], *, iters: int, warmup: int) -> list[float]:
   """Wall seconds of `iters` calls of fn after `warmup` untimed ones.
@@ -101,8 +104,6 @@ def device_peaks() -> dict[str, Any]:
 
 def load_model_and_prompts(cfg):
   """(model, tokenizer, the first batch's prompt token lists) of a config, as training would see them."""
-  from erpo_jax.data.pipeline import make_train_iterator
-  from erpo_jax.model.io.loading import load_model
 
   model, tokenizer = load_model(cfg.model)
   data = make_train_iterator(cfg, tokenizer, process_index=0, process_count=1)

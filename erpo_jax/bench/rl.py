@@ -15,6 +15,8 @@ import tempfile
 from typing import Any
 
 from erpo_jax.bench import probe as bench_probe
+from erpo_jax.metrics import METRICS_FILE, read_jsonl
+from erpo_jax.train.loop import train
 
 # Seconds per step of the issue's reference workload (2-core CPU, median of 6 steps after 2 warm-up steps).
 FRAMEWORK_STEP_S = {"trl": 45.3, "tunix": 65.0}
@@ -49,8 +51,6 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
 
 def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Median per-phase step times of `iters` real training steps after `warmup`, peak RSS, framework ratios."""
-  from erpo_jax.metrics import METRICS_FILE, read_jsonl
-  from erpo_jax.train.loop import train
 
   load0 = bench_probe.load_average()
   run_dir = tempfile.mkdtemp(prefix="erpo-bench-rl-")

@@ -20,10 +20,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.parallel import mesh as mesh_lib
-from erpo_jax.rollout.sampler import Sampler, greedy_reference, prompt_bucket
+from erpo_jax.rollout.sampler import Sampler, greedy_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   decode = total - prefill
   steps = M - 1
   len_B = np.array([len(p) for p in prompts])
-  P = prompt_bucket(int(len_B.max()), cfg.rollout.min_prompt_bucket)
+  P = buckets.prompt_bucket(int(len_B.max()), cfg.rollout.min_prompt_bucket)
   T = P + M
   generated = int(np.asarray(rollout.response_len).sum())
   itemsize = np.dtype(model.dtype).itemsize

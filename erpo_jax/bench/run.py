@@ -36,9 +36,9 @@ import sys
 import tempfile
 from typing import Any
 
-from erpo_jax.train import step as train_step
 from erpo_jax.bench.rl import FRAMEWORK_STEP_S
-from erpo_jax.config import Config, dump_config
+from erpo_jax.config import Config
+from erpo_jax.config_io import dump_config
 
 WHAT = ("step", "rollout", "rl", "all")
 # (iters, warmup) when not given; rl follows the issue's protocol (median of 6 after 2).
@@ -58,14 +58,6 @@ def step_variant(cfg: Config, variant: str, shared_prefix: bool | None) -> Confi
   if shared_prefix is not None:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, shared_prefix=shared_prefix))
   return cfg
-
-
-def shared_prefix_modes(cfg: Config) -> tuple[bool | None, ...]:
-  """(False, True) when model.shared_prefix changes the compiled step, else (None,): one measurement."""
-  on, off = (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, shared_prefix=v)) for v in (True, False))
-  if train_step.settings_from_config(on) != train_step.settings_from_config(off):
-    return (False, True)
-  return (None,)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -101,11 +93,11 @@ def run_worker(kind: str, cfg: Config | list[Config] | None, *, iters: int, warm
 
 def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict[str, Any]):
   """Yields the step lines: times from one interleaved process, peak memory from one process per variant."""
-  keys = [(v, sp) for sp in shared_prefix_modes(cfg) for v in STEP_VARIANTS]
+  keys = [(v, sp) for sp in (False, True) for v in STEP_VARIANTS]
   cfgs = [step_variant(cfg, v, sp) for v, sp in keys]
   timing = run_worker("steps", cfgs, iters=iters, warmup=warmup, tmp=tmp)
   for i, ((v, sp), c) in enumerate(zip(keys, cfgs)):
-    name = f"step/{v}" if sp is None else f"step/{v}/shared_prefix_{'on' if sp else 'off'}"
+    name = f"step/{v}/shared_prefix_{'on' if sp else 'off'}"
     rec: dict[str, Any] = {"name": name, "variant": v, "label": STEP_VARIANTS[v][0], "shared_prefix": sp}
     if "error" in timing:
       rec["error"] = timing["error"]

@@ -26,18 +26,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
-from erpo_jax.rollout.sampler import prompt_bucket
-from erpo_jax.train.loop import bucket_length
 
 
 def batch_length(prompt_len_B: np.ndarray, max_new_tokens: int, min_prompt_bucket: int) -> int:
-  """S of the update batch when every response has M tokens: min(P + M, bucket_length(max len + M))."""
+  """S of the update batch when every response has M tokens: min(P + M, sequence_bucket(max len + M))."""
   longest = int(np.max(prompt_len_B))
-  return min(prompt_bucket(longest, min_prompt_bucket) + max_new_tokens, bucket_length(longest + max_new_tokens))
+  return min(buckets.prompt_bucket(longest, min_prompt_bucket) + max_new_tokens,
+             buckets.sequence_bucket(longest + max_new_tokens))
 
 
 def synthetic_batch(prompt_tokens: list[list[int]], group_size: int, max_new_tokens: int, length: int, *,
@@ -100,7 +101,6 @@ class StepVariant:
   """One update setting built on StepInputs."""
 
   cfg: Any
-  settings: train_step.StepSettings
   step_fn: Any  # the jitted train_step.build_train_step function
   compiled: Any = None
   compile_s: float = 0.0
@@ -117,16 +117,16 @@ def prepare_inputs(cfg, model: nnx.Module, prompt_tokens: list[list[int]], *, vo
   if with_reference:
     dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
-  tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
-  opt_sh = train_step.opt_state_shardings(tx, params, param_sh, mesh)
-  opt_state = train_step.init_opt_state(tx, params, opt_sh)
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
+  opt_sh = optim.opt_state_shardings(tx, params, param_sh, mesh)
+  opt_state = optim.init_opt_state(tx, params, opt_sh)
   G, M = cfg.rollout.group_size, cfg.rollout.max_new_tokens
   len_B = np.array([len(p) for p in prompt_tokens])
   S = batch_length(len_B, M, cfg.rollout.min_prompt_bucket)
   host = synthetic_batch(prompt_tokens, G, M, S, vocab=vocab, pad_id=pad_id, seed=seed)
   shape = {"B": len(prompt_tokens), "G": G, "N": len(prompt_tokens) * G, "S": S,
            "prompt_len_mean": float(len_B.mean()), "prompt_len_max": int(len_B.max()),
-           "prompt_bucket": prompt_bucket(int(len_B.max()), cfg.rollout.min_prompt_bucket),
+           "prompt_bucket": buckets.prompt_bucket(int(len_B.max()), cfg.rollout.min_prompt_bucket),
            "response_len": int(host["response_len"].max()),
            "valid_tokens": int(host["prompt_mask"].sum() + host["response_mask"].sum())}
   return StepInputs(graphdef, params, opt_state, ref_params, to_update_batch(host, mesh), shape, mesh, tx, schedule,
@@ -135,12 +135,11 @@ def prepare_inputs(cfg, model: nnx.Module, prompt_tokens: list[list[int]], *, vo
 
 def build_variant(inp: StepInputs, cfg) -> StepVariant:
   """The jitted update of cfg's erpo/ppo/model settings over inp's state; compiled at once."""
-  settings = train_step.settings_from_config(cfg)
-  forward = settings.reference == "forward"
-  step_fn = train_step.build_train_step(inp.graphdef, inp.tx, inp.schedule, settings, mesh=inp.mesh,
+  forward = cfg.erpo.reference == "forward"
+  step_fn = train_step.build_train_step(inp.graphdef, inp.tx, inp.schedule, cfg, mesh=inp.mesh,
                                         param_shardings=inp.param_sh, opt_shardings=inp.opt_sh,
                                         ref_shardings=inp.param_sh if forward else None)
-  v = StepVariant(cfg, settings, step_fn)
+  v = StepVariant(cfg, step_fn)
   t0 = time.perf_counter()
   v.compiled = step_fn.lower(inp.params, inp.opt_state, ref_for(inp, v), inp.batch,
                              inp.shape["prompt_bucket"]).compile()
@@ -149,7 +148,7 @@ def build_variant(inp: StepInputs, cfg) -> StepVariant:
 
 
 def ref_for(inp: StepInputs, v: StepVariant):
-  return inp.ref_params if v.settings.reference == "forward" else None
+  return inp.ref_params if v.cfg.erpo.reference == "forward" else None
 
 
 def compiled_memory(compiled) -> dict[str, int | None]:
@@ -191,25 +190,27 @@ def time_interleaved(inp: StepInputs, variants: list[StepVariant], *, iters: int
 
 
 def _progress(stage: str, v: StepVariant, seconds: float) -> None:
-  s = v.settings
-  print(f"bench step {stage}: kl_on={s.kl_on} reference={s.reference} weights={s.weights} "
-        f"shared_prefix={s.shared_prefix}: {seconds:.2f} s", file=sys.stderr, flush=True)
+  e = v.cfg.erpo
+  print(f"bench step {stage}: kl_on={e.kl_on} reference={e.reference} weights={e.weights} "
+        f"shared_prefix={v.cfg.model.shared_prefix}: {seconds:.2f} s", file=sys.stderr, flush=True)
 
 
 def step_flops(mc, inp: StepInputs, v: StepVariant) -> float:
-  s = v.settings
-  return bench_flops.train_step_flops(mc, inp.shape["N"], inp.shape["S"], reference_forward=s.reference == "forward",
-                                      old_pass=s.needs_old_pass, epochs=s.epochs)
+  c = v.cfg
+  return bench_flops.train_step_flops(mc, inp.shape["N"], inp.shape["S"],
+                                      reference_forward=c.erpo.reference == "forward",
+                                      old_pass=train_step.needs_old_pass(c.ppo), epochs=c.ppo.epochs)
 
 
 def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str, Any]:
   t = bench_probe.median(times) if times else float("nan")
   flops = step_flops(mc, inp, v)
-  s, c = v.settings, v.cfg
+  c = v.cfg
+  e = c.erpo
   return {
       **inp.shape, "model": c.model.path, "dtype": c.model.dtype, "param_dtype": c.model.param_dtype,
-      "remat": c.model.remat, "logits_chunk": c.model.logits_chunk, "kl_on": s.kl_on, "reference": s.reference,
-      "weights": s.weights, "step_shared_prefix": s.shared_prefix, "time_s": t, "times_s": times,
+      "remat": c.model.remat, "logits_chunk": c.model.logits_chunk, "kl_on": e.kl_on, "reference": e.reference,
+      "weights": e.weights, "step_shared_prefix": c.model.shared_prefix, "time_s": t, "times_s": times,
       "compile_s": v.compile_s, "tokens_per_s": inp.shape["N"] * inp.shape["S"] / t,
       "valid_tokens_per_s": inp.shape["valid_tokens"] / t, "flops": flops, "flops_per_s": flops / t,
       # The shared prefix does less work for the same update: its FLOP/s are plain-layout-equivalent.
@@ -226,7 +227,7 @@ def measure_steps(cfgs: list, *, iters: int, warmup: int) -> dict[str, Any]:
   load0 = bench_probe.load_average()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfgs[0])
   mc = model.cfg
-  need_ref = any(train_step.settings_from_config(c).reference == "forward" for c in cfgs)
+  need_ref = any(c.erpo.reference == "forward" for c in cfgs)
   inp = prepare_inputs(cfgs[0], model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        with_reference=need_ref)
   variants = [build_variant(inp, c) for c in cfgs]
@@ -244,7 +245,7 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   """
   load0 = bench_probe.load_average()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
-  forward = train_step.settings_from_config(cfg).reference == "forward"
+  forward = cfg.erpo.reference == "forward"
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        with_reference=forward)
   v = build_variant(inp, cfg)

@@ -12,6 +12,14 @@ from __future__ import annotations
 import json
 import sys
 
+import jax.numpy as jnp
+
+from erpo_jax.bench import probe as bench_probe
+from erpo_jax.bench.rl import measure_rl
+from erpo_jax.bench.rollout import measure_greedy, measure_sampler
+from erpo_jax.bench.step import measure_step_memory, measure_steps
+from erpo_jax.config_io import load_config
+
 
 def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
   """Adds the matmul peak of the record's dtype (and the read bandwidth) measured here, just after it.
@@ -19,9 +27,6 @@ def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
   The host is shared: a peak taken minutes earlier in another process may
   have seen another load. Taken after the record's peak memory was read.
   """
-  import jax.numpy as jnp
-  from erpo_jax.bench import probe as bench_probe
-
   n = 8192 if record["platform"] != "cpu" else 2048
   dtype = jnp.bfloat16 if record["dtype"] == "bfloat16" else jnp.float32
   record["local_peak_flops_per_s"] = bench_probe.matmul_peak(n, dtype)["flops_per_s"]
@@ -33,30 +38,23 @@ def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
 
 def measure(kind: str, cfg, *, iters: int, warmup: int) -> dict:
   """The record of one measurement, run in this process; cfg is a list of configs for `steps`."""
-  from erpo_jax.bench import probe as bench_probe
 
   if kind == "device":
     return {**bench_probe.device_peaks(), **bench_probe.device_info(), "load_avg": bench_probe.load_average()}
   if kind == "steps":
-    from erpo_jax.bench.step import measure_steps
     return with_local_peaks(measure_steps(cfg, iters=iters, warmup=warmup), bandwidth=False)
   if kind == "step_memory":
-    from erpo_jax.bench.step import measure_step_memory
     return measure_step_memory(cfg)
   if kind == "rollout":
-    from erpo_jax.bench.rollout import measure_sampler
     return with_local_peaks(measure_sampler(cfg, iters=iters, warmup=warmup), bandwidth=True)
   if kind == "greedy":
-    from erpo_jax.bench.rollout import measure_greedy
     return measure_greedy(cfg, iters=iters, warmup=warmup)
   if kind == "rl":
-    from erpo_jax.bench.rl import measure_rl
     return measure_rl(cfg, iters=iters, warmup=warmup)
   raise ValueError(f"bench worker: unknown kind {kind!r}")
 
 
 def main(argv: list[str]) -> int:
-  from erpo_jax.config import load_config
 
   spec_path, out_path = argv
   with open(spec_path, encoding="utf-8") as f:

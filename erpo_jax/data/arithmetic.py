@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 
-from erpo_jax.data.sources import BUILTIN_ARITHMETIC, Record
+from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,9 @@ import grain
 import numpy as np
 
 from erpo_jax.data.prompts import encode_prompt, fit_length, overlong_error
-from erpo_jax.data.sources import BUILTIN_ARITHMETIC, Record, RecordSource, open_source
+from erpo_jax.data.arithmetic import generate
+from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
+from erpo_jax.data.sources import RecordSource, load_file, open_source
 from erpo_jax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class _Encode:
 
 def _ensure_absl_flags() -> None:
   """Grain's worker processes read absl flags; parse them (program name only) if nobody has."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags  # absl comes with grain; imported only where its flags are needed
   if not flags.FLAGS.is_parsed():
     flags.FLAGS(sys.argv[:1] or ["erpo-jax"])
 
@@ -102,7 +104,7 @@ def _picklable(obj) -> bool:
 
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   if process_index is None or process_count is None:
-    import jax  # pylint: disable=import-outside-toplevel
+    import jax  # the Grain worker processes import this module: jax only when asked
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
@@ -267,8 +269,6 @@ def make_eval_source(cfg, set_name: str) -> RecordSource:
   levels of data.levels) with every training problem text excluded. A file's shape is
   detected from its columns (with data.format=columns, data's column names are used).
   """
-  from erpo_jax.data.arithmetic import generate  # pylint: disable=import-outside-toplevel
-  from erpo_jax.data.sources import load_file  # pylint: disable=import-outside-toplevel
   if set_name == BUILTIN_ARITHMETIC:
     exclude: frozenset[str] = frozenset()
     if cfg.data.source == BUILTIN_ARITHMETIC:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from erpo_jax.data.sources import Record
+from erpo_jax.data.records import Record
 from erpo_jax.errors import DataError
 
 # The instruction the paper appends to every question (SPEC.md, "Paper setup").

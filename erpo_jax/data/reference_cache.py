@@ -18,10 +18,17 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
-from erpo_jax.algo import losses
+from erpo_jax import buckets
+from erpo_jax.algo import weights
+from erpo_jax.data.pipeline import dataset_prompt_tokens
 from erpo_jax.errors import PathError, UserError
 from erpo_jax.model import llama
+from erpo_jax.model.io.loading import load_model
+from erpo_jax.parallel import mesh as mesh_lib
 
 CACHE_NAME = "reference_cache.npz"
 
@@ -45,7 +52,6 @@ def cache_path(cfg) -> pathlib.Path:
 def model_hash(model) -> str:
   """Hash of the architecture and of every parameter's sum, sum of squares and first values."""
   h = hashlib.sha256(repr(dataclasses.asdict(model.cfg)).encode())
-  from flax import nnx
   for path, x in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda kv: str(kv[0])):
     x32 = jnp.asarray(x, jnp.float32)
     stats = jax.device_get(jnp.stack([jnp.sum(x32), jnp.sum(x32 * x32)]))
@@ -64,7 +70,6 @@ def prompts_hash(prompt_tokens: list[list[int]]) -> str:
 def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size: int = 16, mesh=None,
                            chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q], in batches of prompts."""
-  from flax import nnx
 
   Q = len(prompt_tokens)
   lengths = np.array([len(p) for p in prompt_tokens], np.int32)
@@ -78,27 +83,24 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size:
 
   bar = None
   if progress and jax.process_index() == 0:
-    from tqdm import tqdm
     bar = tqdm(total=Q, desc="reference pass", unit="prompt")
   # Sort by length so each batch pads little; lengths are bucketed to bound compilations.
   order = np.argsort(lengths, kind="stable")
   shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  B = -(-batch_size // shards) * shards
+  B = buckets.round_up(batch_size, shards)
   for start in range(0, Q, B):
     idx = order[start:start + B]
-    L = max(16, 1 << int(np.ceil(np.log2(max(int(lengths[idx].max()), 2)))))
+    L = buckets.power_of_two(int(lengths[idx].max()), 16)
     tok = np.zeros((B, L), np.int32)
     for r, q in enumerate(idx):
       tok[r, :lengths[q]] = prompt_tokens[q]
     if mesh is not None:
-      from erpo_jax.parallel import mesh as mesh_lib
       sh = mesh_lib.batch_sharding(mesh, 2)
       tok_dev = jax.make_array_from_callback(tok.shape, sh, lambda i, t=tok: t[i])
     else:
       tok_dev = jnp.asarray(tok)
     lp = fwd(state, tok_dev)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       lp = multihost_utils.process_allgather(lp, tiled=True)
     lp = np.asarray(jax.device_get(lp))
     for r, q in enumerate(idx):
@@ -113,8 +115,8 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size:
 
 def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, keys: dict) -> ReferenceCache:
   mask = np.arange(logp.shape[1])[None, :] < lengths[:, None]
-  nll, _ = losses.prompt_nll(jnp.asarray(logp), jnp.asarray(mask))
-  w = losses.static_weights(nll, lo, hi)
+  nll, _ = weights.prompt_nll(jnp.asarray(logp), jnp.asarray(mask))
+  w = weights.static_weights(nll, lo, hi)
   return ReferenceCache(weights=np.asarray(w, np.float32), nll=np.asarray(nll, np.float32), logp=logp,
                         prompt_len=lengths.astype(np.int32), keys=keys)
 
@@ -159,7 +161,6 @@ def expected_keys(cfg, model, tokenizer, prompt_tokens) -> dict:
 
 def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = False) -> ReferenceCache:
   """Loads the cache for this model/tokenizer/data, computing it first when missing."""
-  from erpo_jax.data.pipeline import dataset_prompt_tokens
 
   prompt_tokens = dataset_prompt_tokens(cfg, tokenizer)
   keys = expected_keys(cfg, model, tokenizer, prompt_tokens)
@@ -176,8 +177,6 @@ def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = 
 
 def run_weights(cfg) -> None:
   """`erpo-jax weights`: (re)builds the cache and prints a summary."""
-  from erpo_jax.parallel import mesh as mesh_lib
-  from erpo_jax.model.io.loading import load_model
 
   mesh = mesh_lib.make_mesh(cfg.mesh)
   model, tokenizer = load_model(cfg.model)

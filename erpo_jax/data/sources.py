@@ -8,25 +8,16 @@ messages are kept in `source.bad_rows`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 from typing import Iterator
 
+from erpo_jax.data.arithmetic import generate
+from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
 from erpo_jax.data.shapes import SHAPES, RowError, detect_shape, parse_row
 from erpo_jax.errors import ConfigError, DataError, PathError
 
-BUILTIN_ARITHMETIC = "builtin:arithmetic"
 _KEEP_BAD_ROWS = 10  # messages kept in source.bad_rows
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-  id: str  # unique within its source
-  prompt: str | tuple[tuple[str, str], ...]  # a question, or chat messages ((role, content), ...)
-  answer: str  # ground truth
-  source: str  # file path or "builtin:arithmetic"
-  level: int | None = None  # difficulty, where the data has one
 
 
 class RecordSource:
@@ -75,7 +66,7 @@ def _jsonl_rows(path: pathlib.Path) -> Iterator[tuple[str, dict | None, str]]:
 
 
 def _parquet_rows(path: pathlib.Path) -> Iterator[tuple[str, dict | None, str]]:
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # slow to import; only parquet files need it
   try:
     pf = pq.ParquetFile(path)
   except Exception as e:  # pylint: disable=broad-except
@@ -88,7 +79,7 @@ def _parquet_rows(path: pathlib.Path) -> Iterator[tuple[str, dict | None, str]]:
 
 
 def _parquet_columns(path: pathlib.Path) -> list[str]:
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # slow to import; only parquet files need it
   try:
     return list(pq.read_schema(path).names)
   except Exception as e:  # pylint: disable=broad-except
@@ -176,7 +167,6 @@ def open_source(spec: str, data, *, size: int | None = None, seed: int | None = 
   lists problem texts that must not be generated (the training split, for eval).
   """
   if spec == BUILTIN_ARITHMETIC:
-    from erpo_jax.data.arithmetic import generate  # pylint: disable=import-outside-toplevel
     n = data.size if size is None else size
     s = data.builtin_seed if seed is None else seed
     return RecordSource(f"{BUILTIN_ARITHMETIC}(seed={s})", generate(n, data.levels, s, exclude=exclude))

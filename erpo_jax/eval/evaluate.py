@@ -29,12 +29,21 @@ import zlib
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from tensorboardX import SummaryWriter
 
-from erpo_jax.parallel import multihost
-from erpo_jax.eval import passk
 from erpo_jax.config import Config
+from erpo_jax.data.pipeline import make_eval_source
+from erpo_jax.data.prompts import encode_prompt
 from erpo_jax.errors import ConfigError
+from erpo_jax.eval import passk
 from erpo_jax.eval.passk import MEAN, metric_names, temperature_key
+from erpo_jax.model.io.loading import load_model
+from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.parallel import multihost
+from erpo_jax.reward.verifier import Verifier
+from erpo_jax.rollout.sampler import Sampler, response_texts
+from erpo_jax.train.checkpoint import find_checkpoint, restore_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +72,6 @@ def set_labels(sources: tuple[str, ...] | list[str]) -> list[str]:
 
 def read_eval_records(cfg: Config, sources, max_problems: int = 0) -> list[tuple[str, str, list]]:
   """(label, source, records) of each source: its first max_problems records (0 = all)."""
-  from erpo_jax.data.pipeline import make_eval_source
 
   if not sources:
     raise ConfigError("eval.sets: expected at least one benchmark (a .jsonl/.parquet file or builtin:arithmetic)")
@@ -76,7 +84,6 @@ def read_eval_records(cfg: Config, sources, max_problems: int = 0) -> list[tuple
 
 def load_eval_sets(cfg: Config, tokenizer, sources, max_problems: int = 0, read=None) -> list[EvalSet]:
   """Each source's records (or those of `read`, from read_eval_records) with prompts encoded as training does."""
-  from erpo_jax.data.prompts import encode_prompt
 
   out = []
   for label, spec, records in read or read_eval_records(cfg, sources, max_problems):
@@ -97,7 +104,6 @@ def load_eval_sets(cfg: Config, tokenizer, sources, max_problems: int = 0, read=
 
 def make_sampler(graphdef_or_model, tokenizer, cfg: Config, mesh=None):
   """The eval sampler: rollout's top_p / top_k and prompt buckets, eval.max_new_tokens (0 = rollout's)."""
-  from erpo_jax.rollout.sampler import Sampler
 
   return Sampler(graphdef_or_model, tokenizer, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                  temperature=1.0, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -115,13 +121,7 @@ def _to_numpy(x) -> np.ndarray:
   """The whole array on this host (rows of other processes included)."""
   if x.is_fully_addressable:
     return np.asarray(x)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def response_texts(tokens_NxS, prompt_len_N, response_len_N, tokenizer) -> list[str]:
-  """Decoded responses (special tokens such as EOS skipped by the tokenizer)."""
-  return [tokenizer.decode(row[p:p + r].tolist()) for row, p, r in zip(tokens_NxS, prompt_len_N, response_len_N)]
 
 
 def evaluate_cell(sampler, state, es: EvalSet, tokenizer, verifier, *, temperature: float, k: int, key,
@@ -188,8 +188,6 @@ def evaluate(model_or_state, graphdef, tokenizer, cfg: Config, *, sets, temperat
   `sampler`, `eval_sets` and `verifier` may be passed to reuse compiled programs,
   encoded prompts and verifier processes.
   """
-  from erpo_jax.reward.verifier import Verifier
-  from erpo_jax.parallel import mesh as mesh_lib
 
   if isinstance(model_or_state, nnx.Module):
     graphdef, state = nnx.split(model_or_state)
@@ -267,15 +265,12 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   for the untrained model), TensorBoard scalars under <run.dir>/tb at the checkpoint's
   step (0 for the base model), and prints the table. Returns the results.
   """
-  from erpo_jax.parallel import mesh as mesh_lib
-  from erpo_jax.model.io.loading import load_model
 
   mesh = mesh_lib.make_mesh(cfg.mesh)
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
   model, tokenizer = load_model(cfg.model)
   step = None
   if checkpoint is not None:
-    from erpo_jax.train.checkpoint import find_checkpoint, restore_params
     step_dir = find_checkpoint(checkpoint, cfg.run.dir)
     model = restore_params(model, str(step_dir), cfg.run.dir)
     step = int(step_dir.name) if step_dir.name.isdigit() else None
@@ -305,7 +300,6 @@ def write_json(path: pathlib.Path, results: dict) -> None:
 
 
 def write_tensorboard(folder: pathlib.Path, values: dict[str, float], step: int) -> None:
-  from tensorboardX import SummaryWriter
 
   writer = SummaryWriter(str(folder))
   try:

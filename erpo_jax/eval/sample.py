@@ -8,7 +8,9 @@ import jax
 import numpy as np
 
 from erpo_jax.config import Config
+from erpo_jax.model.io.loading import load_model
 from erpo_jax.rollout.sampler import Sampler
+from erpo_jax.train.checkpoint import restore_params
 
 
 def run_sample(cfg: Config, *, prompt: str, max_new_tokens: int, temperature: float, num: int, seed: int,
@@ -19,11 +21,9 @@ def run_sample(cfg: Config, *, prompt: str, max_new_tokens: int, temperature: fl
   given. temperature 0 is greedy; top_p, top_k and the prompt bucket come from
   cfg.rollout. With several samples each is preceded by a `### sample i` line.
   """
-  from erpo_jax.model.io.loading import load_model
 
   model, tokenizer = load_model(cfg.model)
   if checkpoint is not None:
-    from erpo_jax.train.checkpoint import restore_params
     model = restore_params(model, checkpoint, cfg.run.dir)
   messages = [{"role": "user", "content": prompt}]
   if cfg.data.system_prompt:

@@ -322,24 +322,6 @@ def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *,
   return logp, (ent if with_entropy else None)
 
 
-def log_probs(model: Transformer, tokens_NxS: jax.Array, *, chunk: int = 1024, temperature: float = 1.0,
-              with_entropy: bool = False):
-  """Next-token log-probs [N, S]: out[:, t] = log P(x_t | x_<t); out[:, 0] = 0.
-
-  With `with_entropy`, also the entropy of P(. | x_<t) at the same positions.
-  """
-  N, S = tokens_NxS.shape
-  h = model.hidden(tokens_NxS)[:, :-1]  # [N, S-1, D] predicts tokens 1..S-1
-  D = h.shape[-1]
-  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_matrix(), tokens_NxS[:, 1:].reshape(-1),
-                              chunk=chunk, temperature=temperature, with_entropy=with_entropy)
-  zero = jnp.zeros((N, 1), jnp.float32)
-  logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)
-  if with_entropy:
-    return logp, jnp.concatenate([zero, ent.reshape(N, S - 1)], axis=1)
-  return logp
-
-
 def init_random(cfg: ModelConfig, *, seed: int = 0, dtype="float32", param_dtype="float32",
                 remat: bool = False) -> Transformer:
   return Transformer(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, param_dtype=param_dtype, remat=remat)

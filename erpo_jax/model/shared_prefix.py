@@ -6,7 +6,7 @@ bucket, L layers, D hidden, H query heads, K key/value heads, Dh head dim.
 
 The G rows of a group hold the same prompt, so its hidden states and keys /
 values are computed once, on B prompt rows, and the N response rows attend to
-them. The result equals `llama.log_probs` on the plain [N, S] layout at every
+them. The result equals `logprobs.log_probs` on the plain [N, S] layout at every
 position t >= 1 with t < prompt_len + R; the prompt log-probs are broadcast to
 the G rows, so their gradient sums over the group exactly as the G copies of
 the plain layout do. Prompt work drops from N*P to B*P tokens.
@@ -123,7 +123,7 @@ def group_layout(model: Transformer, tokens_NxS, prompt_len_N, G: int, prompt_bu
 def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
                             *, prompt_bucket: int, response_bucket: int, chunk: int = 1024,
                             temperature: float = 1.0, with_entropy: bool = False):
-  """`llama.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
+  """`logprobs.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
 
   out[n, t] = log P(x_t | x_<t) for 1 <= t < len_n + R (len_n = prompt_len_N[n]);
   0 at t = 0 and from len_n + R on. Positions 1..len_n-1 come from prompt row
@@ -245,7 +245,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   hp, hs, tokens_BxP, tokens_C, idx_K, inv_C = packed_hidden(
       model, tokens_NxS, prompt_len_N, response_len_N, G, prompt_bucket=prompt_bucket,
       response_bucket=response_bucket, capacity=capacity)
-  (B, P, D), C = hp.shape, hs.shape[0]
+  B, P, D = hp.shape
   R = idx_K.shape[0] // N
   len_N = prompt_len_N.astype(jnp.int32)
   h_last_BxD = last_prompt_hidden(hp, len_N, G)
@@ -265,9 +265,3 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
     return _to_rows(jnp.concatenate([values_M[:split], response_K]), len_N, B, G, P, R, S)
 
   return to_layout(logp_M), (to_layout(ent_M) if with_entropy else None)
-
-
-def packed_capacity(response_tokens: int, slots: int, multiple: int = 256) -> int:
-  """Static capacity for `response_tokens` packed tokens: the next multiple of `multiple`, at most
-  `slots` (= N*R, the unpacked layout). Few distinct values: one compile each."""
-  return min(slots, max(multiple, -(-response_tokens // multiple) * multiple))

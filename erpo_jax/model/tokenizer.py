@@ -214,7 +214,7 @@ def _chat_template(folder: str, config: dict) -> str | None:
 
 def _from_transformers(folder: str, template: str | None):
   """The fast tokenizer transformers builds (e.g. converted from a sentencepiece file)."""
-  from erpo_jax.model.io.hf import import_transformers  # pylint: disable=import-outside-toplevel
+  from erpo_jax.model.io.hf import import_transformers  # model.io imports this module: only on this path
 
   try:
     tok = import_transformers().AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -10,8 +10,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
-
 
 from erpo_jax.errors import ConfigError
 
@@ -177,10 +177,11 @@ def _is_tpu_pod(env: Mapping[str, str]) -> bool:
 
 def _tpu_vm_host_count() -> int:
   """Hosts in this Cloud TPU slice from the VM metadata server; 0 off a TPU VM or when unreachable."""
-  from jax._src import cloud_tpu_init  # set at `import jax` when TPU chips and libtpu are present
+  from jax._src import (
+    cloud_tpu_init,  # set at `import jax` when TPU chips and libtpu are present; jax: see below
+  )
   if not cloud_tpu_init.running_in_cloud_tpu_vm or os.environ.get("TPU_SKIP_MDS_QUERY"):
     return 0
-  import urllib.request
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
   req = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
                                headers={"Metadata-Flavor": "Google"})
@@ -206,7 +207,7 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
   if _initialized:
     return True
   launch = detect(os.environ, coordinator, num_processes, process_id)
-  import jax
+  import jax  # config mistakes are reported before jax is imported (cli), so only here
   if launch is None and _tpu_vm_host_count() > 1:
     launch = Launch(source="tpu")
   if launch is None:
@@ -231,7 +232,7 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
 
 def is_main() -> bool:
   """True on process 0, the one that prints logs and writes metrics. Call after start-up."""
-  import jax
+  import jax  # config mistakes are reported before jax is imported (cli), so only here
   return jax.process_index() == 0
 
 
@@ -240,7 +241,7 @@ def log(msg: str) -> None:
 
   Call after start-up: asking JAX for the process index starts its backends.
   """
-  import jax
+  import jax  # config mistakes are reported before jax is imported (cli), so only here
   index, count = jax.process_index(), jax.process_count()
   if os.environ.get("ERPO_LOG_ALL") == "1":
     print(f"[{index}/{count}] {msg}" if count > 1 else msg, flush=True)

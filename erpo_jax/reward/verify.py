@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fractions
 import json
+import logging
 import os
 import re
 import signal
@@ -230,7 +231,10 @@ def quick_equivalent(pred: str, truth: str) -> bool | None:
 
 def math_verify_equivalent(pred: str, truth: str) -> bool:
   """math-verify's parse + verify of `\\boxed{truth}` against `\\boxed{pred}`, its own timeout off."""
-  from math_verify import parse, verify  # pylint: disable=import-outside-toplevel
+  from math_verify import (  # heavy (sympy): loaded in the verifier worker, not by importers
+    parse,
+    verify,
+  )
   gold = parse("\\boxed{" + truth + "}", parsing_timeout=None)
   target = parse("\\boxed{" + pred + "}", parsing_timeout=None)
   if not gold or not target:
@@ -283,7 +287,6 @@ def worker_main() -> None:
   """
   out = os.fdopen(os.dup(1), "w", buffering=1)
   os.dup2(2, 1)
-  import logging  # pylint: disable=import-outside-toplevel
   logging.getLogger("math_verify").setLevel(logging.CRITICAL)
   math_verify_equivalent("1", "1")  # warm the parser before reporting ready
   signal.signal(signal.SIGALRM, _on_alarm)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
 from erpo_jax.model.llama import KVCache
@@ -39,10 +40,12 @@ class Rollout:
   prompt_truncated: jax.Array  # [N] bool: the prompt lost its first tokens (longer than max_prompt_len)
 
 
-def prompt_bucket(length: int, min_bucket: int) -> int:
-  """Smallest power of two >= max(length, min_bucket)."""
-  n = max(length, min_bucket, 1)
-  return 1 << (n - 1).bit_length()
+def response_texts(tokens_NxS: np.ndarray, prompt_len_N: np.ndarray, response_len_N: np.ndarray,
+                   tokenizer) -> list[str]:
+  """The decoded response of each row (host arrays), its EOS tokens left out."""
+  eos = set(tokenizer.eos_ids)
+  return [tokenizer.decode([t for t in row[p:p + r].tolist() if t not in eos])
+          for row, p, r in zip(tokens_NxS, prompt_len_N, response_len_N)]
 
 
 class Sampler:
@@ -103,7 +106,7 @@ class Sampler:
     longest = len_B.max(keepdims=True)
     if jax.process_count() > 1:
       longest = allgather_rows(longest)  # one bucket P on every process
-    tokens_BxP = np.full((len(rows), prompt_bucket(int(longest.max()), self.min_prompt_bucket)), self.pad_id, np.int32)
+    tokens_BxP = np.full((len(rows), buckets.prompt_bucket(int(longest.max()), self.min_prompt_bucket)), self.pad_id, np.int32)
     for b, r in enumerate(rows):
       tokens_BxP[b, :len(r)] = r
     return tokens_BxP, len_B, np.array(cut, bool)

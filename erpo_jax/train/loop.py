@@ -1,10 +1,8 @@
 """The training loop: prompts -> sampler -> rewards -> weights -> update -> metrics -> checkpoint.
 
 Reads top to bottom in `train`. Device-to-host transfers happen only for the
-rollout tokens (to decode and score them) and for metrics.
-
-Fault injection for tests: ERPO_JAX_FAULT_NAN_STEP=<k> multiplies the rewards of
-step k by NaN, so the real update of that step sees a non-finite loss.
+rollout tokens (to decode and score them) and for metrics. Batch assembly is in
+train/batch.py, the update in train/step.py.
 """
 
 from __future__ import annotations
@@ -15,18 +13,29 @@ import os
 import pathlib
 import signal
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from erpo_jax.parallel import multihost, transfer
-from erpo_jax.parallel import mesh as mesh_lib
-from erpo_jax.train import step as train_step
-from erpo_jax.config import Config, dump_config
+from erpo_jax.config import Config
+from erpo_jax.config_io import dump_config
+from erpo_jax.data.pipeline import check_training_data, make_train_iterator
+from erpo_jax.data.reference_cache import ensure_reference_cache
 from erpo_jax.errors import ConfigError, NonFiniteError, PathError
-from erpo_jax.model import shared_prefix
+from erpo_jax.eval.evaluate import eval_during_training
+from erpo_jax.metrics import MetricsWriter, truncate_jsonl
+from erpo_jax.model.io.loading import load_model, load_tokenizer
+from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.parallel import multihost, transfer
+from erpo_jax.reward.verifier import RewardResult, Verifier
+from erpo_jax.rollout.sampler import Sampler, response_texts
+from erpo_jax.train import optim
+from erpo_jax.train import step as train_step
+from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
+from erpo_jax.train.checkpoint import Checkpointer, all_finite, model_fingerprint
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -71,113 +80,19 @@ class _Preemption:
     signal.signal(signal.SIGTERM, self._old)
 
 
-# ----------------------------------------------------------------------------- host-side batch assembly
-
-
-def bucket_length(n: int, multiple: int = 32) -> int:
-  return max(multiple, -(-n // multiple) * multiple)
-
-
-@dataclasses.dataclass
-class HostRollout:
-  """The addressable rows of a rollout, as numpy."""
-
-  tokens: np.ndarray  # [N, S] int32
-  prompt_mask: np.ndarray  # [N, S] bool
-  response_mask: np.ndarray  # [N, S] bool
-  prompt_len: np.ndarray  # [N]
-  response_len: np.ndarray  # [N]
-  truncated: np.ndarray  # [N] bool
-
-
-def to_host(roll) -> HostRollout:
-  local = transfer.global_to_host_local
-  return HostRollout(tokens=local(roll.tokens), prompt_mask=local(roll.prompt_mask),
-                     response_mask=local(roll.response_mask), prompt_len=local(roll.prompt_len),
-                     response_len=local(roll.response_len), truncated=local(roll.truncated))
-
-
-def response_texts(h: HostRollout, tokenizer) -> list[str]:
-  out = []
-  for row, p, r in zip(h.tokens, h.prompt_len, h.response_len):
-    ids = [int(t) for t in row[p:p + r] if int(t) not in tokenizer.eos_ids]
-    out.append(tokenizer.decode(ids))
-  return out
-
-
-def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
-                   mesh) -> train_step.UpdateBatch:
-  """Trims to the longest row of all processes (bucketed), fills cached reference log-probs and static weights.
-
-  Each process passes its own rows; all must call it (one collective agrees on S).
-  """
-  N, S_full = h.tokens.shape
-  longest = transfer.allgather_rows(np.array([(h.prompt_len + h.response_len).max()]))
-  S = min(S_full, bucket_length(int(longest.max())))
-  ref_logp = np.zeros((N, S), np.float32)
-  static_w = np.ones((N,), np.float32)
-  if ref_cache is not None:
-    q_N = np.repeat(index_B, group_size)
-    static_w = ref_cache.weights[q_N].astype(np.float32)
-    for n, q in enumerate(q_N):
-      L = min(int(h.prompt_len[n]), int(ref_cache.prompt_len[q]), S)
-      ref_logp[n, :L] = ref_cache.logp[q, :L]
-  local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S],
-               response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
-               static_weight=static_w)
-  return train_step.UpdateBatch(**{
-      k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
-
-
-def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
-  """Static slots for the batch's packed response tokens (all processes agree), or None: no packing.
-
-  Packing runs on one batch shard and one minibatch (the stream crosses rows).
-  """
-  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches == 1
-          and mesh_lib.num_batch_shards(mesh) == 1):
-    return None
-  total = int(transfer.allgather_rows(np.array([int(h.response_len.sum())])).sum())
-  rows = len(h.response_len) * jax.process_count()
-  return shared_prefix.packed_capacity(total, rows * cfg.rollout.max_new_tokens)
-
-
-def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,
-                    timeouts: int = 0, crashes: int = 0) -> dict[str, float]:
-  """Reward, length and throughput statistics of the GLOBAL batch from each process's rows.
-
-  A collective (every process calls it): the per-row values of all processes
-  are gathered, so every process returns the statistics one process with the
-  whole batch would. tokens_per_s = (prompt + response tokens) / seconds.
-  """
-  cols_Nx5 = np.stack([rewards_N, correct_N, h.prompt_len, h.response_len, h.truncated], axis=1).astype(np.float32)
-  rewards, correct, prompt_len, response_len, truncated = transfer.allgather_rows(cols_Nx5).astype(np.float64).T
-  timeouts, crashes = transfer.allgather_rows(np.array([[timeouts, crashes]], np.float32)).sum(axis=0)
-  return {
-      "reward/mean": float(rewards.mean()),
-      "reward/std": float(rewards.std()),
-      "reward/accuracy": float(correct.mean()),
-      "response/len_mean": float(response_len.mean()),
-      "response/len_max": float(response_len.max()),
-      "response/truncated": float(truncated.mean()),
-      "perf/tokens_per_s": float(prompt_len.sum() + response_len.sum()) / seconds,
-      "reward/verifier_timeouts": float(timeouts),
-      "reward/verifier_crashes": float(crashes),
-  }
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(cfg: Config) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+  """Points where tests inject faults into a real run; the defaults change nothing."""
+
+  # (step, rewards of that step) -> the rewards the update sees
+  scored: Callable[[int, RewardResult], RewardResult] = lambda step, scored: scored
+
+
+def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
   """Runs (or resumes) a training run; returns the last step's metrics."""
-  from erpo_jax.train.checkpoint import Checkpointer, all_finite, model_fingerprint
-  from erpo_jax.data.pipeline import check_training_data, make_train_iterator
-  from erpo_jax.data.reference_cache import ensure_reference_cache
-  from erpo_jax.metrics import MetricsWriter, truncate_jsonl
-  from erpo_jax.model.io.loading import load_model, load_tokenizer
-  from erpo_jax.reward.verifier import Verifier
-  from erpo_jax.rollout.sampler import Sampler
 
   # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
   run_dir = prepare_run_dir(cfg)
@@ -191,23 +106,22 @@ def train(cfg: Config) -> dict[str, float]:
   graphdef, params = nnx.split(model)
   param_sh = mesh_lib.param_shardings(params, mesh)
 
-  settings = train_step.settings_from_config(cfg)
   # The frozen reference: a copy of the initial weights, in the step (forward) or only for
   # the Policy-KL metric (cached, every log.policy_kl_every steps).
   ref_params, ref_sh, policy_kl_fn = None, None, None
-  if settings.reference == "forward" or cfg.log.policy_kl_every:
+  forward = cfg.erpo.reference == "forward"
+  if forward or cfg.log.policy_kl_every:
     dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
     ref_sh = param_sh
-  if settings.reference == "cached" and ref_params is not None:
-    policy_kl_fn = train_step.build_policy_kl(graphdef, settings, mesh=mesh, ref_shardings=ref_sh)
+  if not forward and ref_params is not None:
+    policy_kl_fn = train_step.build_policy_kl(graphdef, cfg, mesh=mesh, ref_shardings=ref_sh)
 
-  tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
-  opt_sh = train_step.opt_state_shardings(tx, params, param_sh, mesh)
-  opt_state = train_step.init_opt_state(tx, params, opt_sh)
-  step_fn = train_step.build_train_step(graphdef, tx, schedule, settings, mesh=mesh, param_shardings=param_sh,
-                                        opt_shardings=opt_sh,
-                                        ref_shardings=ref_sh if settings.reference == "forward" else None)
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
+  opt_sh = optim.opt_state_shardings(tx, params, param_sh, mesh)
+  opt_state = optim.init_opt_state(tx, params, opt_sh)
+  step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=param_sh,
+                                        opt_shardings=opt_sh, ref_shardings=ref_sh if forward else None)
 
   data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -229,7 +143,7 @@ def train(cfg: Config) -> dict[str, float]:
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")
   # After the checkpoint's model check (a run resumed with another model is told so, not that its cache is stale).
   ref_cache = None
-  if cfg.erpo.weights == "static" or settings.reference == "cached":
+  if cfg.erpo.weights == "static" or not forward:
     ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
   if multihost.is_main():
     write_config(run_dir, cfg)
@@ -254,10 +168,8 @@ def train(cfg: Config) -> dict[str, float]:
       host = to_host(roll)
       t1 = time.perf_counter()
 
-      texts = response_texts(host, tokenizer)
-      scored = verifier.score(texts, [a for a in batch.answers for _ in range(G)])
-      if os.environ.get("ERPO_JAX_FAULT_NAN_STEP") == str(step):  # fault injection for tests: NaN rewards
-        scored = dataclasses.replace(scored, rewards=scored.rewards * np.float32("nan"))
+      texts = response_texts(host.tokens, host.prompt_len, host.response_len, tokenizer)
+      scored = hooks.scored(step, verifier.score(texts, [a for a in batch.answers for _ in range(G)]))
       t2 = time.perf_counter()
 
       update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh)
@@ -268,7 +180,7 @@ def train(cfg: Config) -> dict[str, float]:
                                  roll.logp[:, :update.tokens.shape[1]])
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(
-          params, opt_state, ref_params if settings.reference == "forward" else None, update,
+          params, opt_state, ref_params if forward else None, update,
           roll.tokens.shape[1] - cfg.rollout.max_new_tokens,  # the sampler's prompt bucket
           response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
@@ -280,7 +192,6 @@ def train(cfg: Config) -> dict[str, float]:
         multihost.log(f"step {step}: non-finite loss or gradients; update skipped")
 
       if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-        from erpo_jax.eval.evaluate import eval_during_training
         evaluation = eval_during_training(params, graphdef, tokenizer, cfg, step, mesh)
         train_accuracy = float(transfer.allgather_rows(scored.correct).mean())
         evaluation["eval/gap"] = train_accuracy - evaluation["eval/accuracy"]

@@ -22,7 +22,8 @@ from flax import nnx
 
 import tiny_runs
 from erpo_jax.parallel import multihost
-from erpo_jax.config import Config, DataSection, load_config
+from erpo_jax.config import Config, DataSection
+from erpo_jax.config_io import load_config
 from erpo_jax.data.pipeline import make_train_iterator, training_prompts
 
 REPO = tiny_runs.REPO

@@ -1,7 +1,7 @@
 """End-to-end numerical faults: a NaN/Inf loss stops the run naming the step (exit 3) or skips that update.
 
-The faults are real: NaN rewards at one step (the trainer's ERPO_JAX_FAULT_NAN_STEP
-hook, which feeds them through the jitted update), or a learning rate so large
+The faults are real: NaN rewards at one step (tests/fault_train.py, through the
+trainer's Hooks, which feeds them through the jitted update), or a learning rate so large
 that the parameters overflow. Whatever happens, no checkpoint holds NaN or Inf.
 """
 
@@ -11,10 +11,6 @@ import tiny_runs
 from tiny_runs import complete_steps, load_item, metrics_rows, metrics_steps
 
 EVERY_STEP = ("checkpoint.every=1",)
-
-
-def _nan_at(step: int) -> dict:
-  return tiny_runs.child_env(ERPO_JAX_FAULT_NAN_STEP=str(step))
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -29,7 +25,7 @@ def _assert_every_checkpoint_finite(run_dir) -> None:
 
 def test_nan_loss_stops_the_run_with_exit_3_naming_the_step_and_saves_nothing_from_it(tmp_path):
   run_dir = tmp_path / "run"
-  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, env=_nan_at(3))
+  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, nan_step=3)
   assert proc.returncode == 3, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr
   lines = _error_lines(proc.stderr)
@@ -41,7 +37,7 @@ def test_nan_loss_stops_the_run_with_exit_3_naming_the_step_and_saves_nothing_fr
 
 def test_skip_nonfinite_skips_exactly_that_update_and_finishes_finite(tmp_path):
   run_dir = tmp_path / "run"
-  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "train.steps=4", "train.skip_nonfinite=true", env=_nan_at(3))
+  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "train.steps=4", "train.skip_nonfinite=true", nan_step=3)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "step 3: non-finite loss or gradients; update skipped" in proc.stdout
   assert complete_steps(run_dir) == [1, 2, 3, 4]
@@ -59,7 +55,7 @@ def test_skip_nonfinite_skips_exactly_that_update_and_finishes_finite(tmp_path):
 @pytest.mark.slow
 def test_run_stopped_by_nan_resumes_from_the_last_finite_checkpoint_bit_identical(tmp_path):
   run_dir = tmp_path / "run"
-  assert tiny_runs.run_train(run_dir, env=_nan_at(5)).returncode == 3
+  assert tiny_runs.run_train(run_dir, nan_step=5).returncode == 3
   assert complete_steps(run_dir) == [2, 4]
   proc = tiny_runs.run_train(run_dir)  # the fault is gone
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from erpo_jax.config import Config, dump_config, load_config
+from erpo_jax.config import Config
+from erpo_jax.config_io import dump_config, load_config
 from erpo_jax.errors import ConfigError, PathError
 
 

@@ -8,11 +8,13 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from erpo_jax.errors import UserError
 from erpo_jax.model import llama
-from erpo_jax.model.io import hf
+from erpo_jax.model.io import hf, loading
 from erpo_jax.model.tokenizer import Tokenizer
+from erpo_jax.train.checkpoint import restore_params
 
 MARKER = "erpo_jax_export.json"  # names the files an export wrote, so a re-export may replace them
 _DTYPES = {"float32": np.float32, "bfloat16": np.dtype(llama.as_dtype("bfloat16"))}
@@ -75,12 +77,10 @@ def export_hf(model: llama.Transformer, tokenizer: Tokenizer | None, out_dir: st
 
 def run_export(cfg, checkpoint: str | None, out: str) -> str:
   """`erpo-jax export`: the model of cfg.model, with the params of `checkpoint` if given, as a HF folder."""
-  from erpo_jax.model.io import loading  # pylint: disable=import-outside-toplevel
 
   model, tokenizer = loading.load_model(cfg.model)
   source = cfg.model.path
   if checkpoint is not None:
-    from erpo_jax.train.checkpoint import restore_params  # pylint: disable=import-outside-toplevel
 
     restore_params(model, checkpoint, cfg.run.dir)
     source = f"{source} + checkpoint {checkpoint} of {cfg.run.dir}"
@@ -99,8 +99,6 @@ class _HostParams:
   def __getitem__(self, name: str) -> np.ndarray:
     x = getattr(self.model, name)[...]
     if not x.is_fully_addressable:
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
       x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x)).astype(self.dtype)
 
@@ -138,7 +136,7 @@ def _rename_shards(out_dir: str, files: list[str], weight_map: dict, total: int)
 
 
 def _save_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
-  import safetensors.numpy  # pylint: disable=import-outside-toplevel
+  import safetensors.numpy  # optional until a model is exported
 
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})  # "pt": transformers expects it
 

@@ -40,7 +40,7 @@ class GGUFFile:
 @functools.lru_cache(maxsize=4)
 def _open(path: str, mtime_ns: int) -> GGUFFile:
   del mtime_ns  # part of the cache key only: a rewritten file is parsed again
-  import gguf  # pylint: disable=import-outside-toplevel
+  import gguf  # the gguf reader is slow to import; only GGUF models need it
 
   try:
     reader = gguf.GGUFReader(path)
@@ -116,7 +116,7 @@ def reader(f: GGUFFile, cfg: ModelConfig):
   rows (0, Dh/2, 1, Dh/2+1, ...). Reading them back as [Dh/2, 2] and swapping the
   two axes restores Hugging Face's half-split order. Qwen2 files are not permuted.
   """
-  import gguf  # pylint: disable=import-outside-toplevel
+  import gguf  # the gguf reader is slow to import; only GGUF models need it
 
   def read(name: str) -> np.ndarray:
     g = gguf_name(name)

@@ -152,7 +152,7 @@ def read_config(folder: str) -> ModelConfig:
 def import_transformers():
   """transformers, imported on first use (it is slow to import), without its notice that torch is absent."""
   os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers  # slow to import; only HF folders without tokenizer.json and config checks need it
 
   return transformers
 
@@ -233,7 +233,7 @@ def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
 @contextlib.contextmanager
 def open_safetensors(folder: str) -> Iterator[Reader]:
   """A reader `name -> np.ndarray` over a folder's single or sharded *.safetensors (memory-mapped)."""
-  import safetensors  # pylint: disable=import-outside-toplevel
+  import safetensors  # only HF checkpoints need it
 
   index = os.path.join(folder, "model.safetensors.index.json")
   if os.path.isfile(index):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable, Iterable
 
 import jax
@@ -15,9 +17,8 @@ from flax import nnx
 from erpo_jax import config as config_lib
 from erpo_jax.errors import ConfigError, PathError
 from erpo_jax.model import llama
-from erpo_jax.model.io import gguf
-from erpo_jax.model.io import hf
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.io import gguf, hf
 from erpo_jax.model.tokenizer import Tokenizer
 
 # Builtin name -> (package, file inside it, pip requirement).
@@ -88,7 +89,6 @@ def _cached_gguf_tokenizer(path: str) -> Tokenizer:
   folder reloads in a fraction of that and gives the same ids and fingerprint.
   The key includes the file's size and modification time, so a changed file is parsed again.
   """
-  import hashlib
   st = os.stat(path)
   key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
   root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -103,7 +103,6 @@ def _cached_gguf_tokenizer(path: str) -> Tokenizer:
     tmp = f"{folder}.tmp{os.getpid()}"
     tokenizer.save(tmp)
     if os.path.exists(folder):  # another process got there first
-      import shutil
       shutil.rmtree(tmp, ignore_errors=True)
     else:
       os.replace(tmp, folder)

@@ -19,7 +19,7 @@ MASK = np.ones((2, 2), bool)
 
 def test_query_kl_reproduces_spec_worked_example():
   # d = 0.2, -0.3: e^-0.2 + 0.2 - 1 = 0.018731, e^0.3 - 0.3 - 1 = 0.049859
-  out = kl.query_kl(LOGP, REF, MASK)
+  out = kl.row_kl(LOGP, REF, MASK)
   np.testing.assert_allclose(out.per_row_N, [0.01873075307798, 0.04985880757600], atol=1e-6)
   np.testing.assert_allclose(out.per_row_N.mean(), 0.034295, atol=1e-6)
   np.testing.assert_array_equal(out.count_N, [1.0, 1.0])
@@ -31,7 +31,7 @@ def test_penalty_gradient_is_one_minus_exp_minus_d_over_count():
   logp = rng.normal(-3, 1, (3, 6)).astype(np.float32)
   ref = logp + rng.normal(0, 0.5, (3, 6)).astype(np.float32)
   mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
-  grad = jax.grad(lambda lp: kl.query_kl(lp, ref, mask).per_row_N.sum())(logp)
+  grad = jax.grad(lambda lp: kl.row_kl(lp, ref, mask).per_row_N.sum())(logp)
   scored = mask.copy()
   scored[:, 0] = False
   d = logp.astype(np.float64) - ref
@@ -40,19 +40,19 @@ def test_penalty_gradient_is_one_minus_exp_minus_d_over_count():
 
 
 def test_worked_example_gradient_lowers_q1_and_raises_q2():
-  grad = jax.grad(lambda lp: kl.query_kl(lp, REF, MASK).per_row_N.sum())(LOGP)
+  grad = jax.grad(lambda lp: kl.row_kl(lp, REF, MASK).per_row_N.sum())(LOGP)
   np.testing.assert_allclose(grad[:, 1], [1 - math.exp(-0.2), 1 - math.exp(0.3)], rtol=1e-5)
   assert grad[0, 1] > 0 > grad[1, 1]
 
 
 def test_no_gradient_reaches_the_reference():
-  grad = jax.grad(lambda ref: kl.query_kl(LOGP, ref, MASK).per_row_N.sum())(REF)
+  grad = jax.grad(lambda ref: kl.row_kl(LOGP, ref, MASK).per_row_N.sum())(REF)
   np.testing.assert_array_equal(grad, np.zeros_like(REF))
 
 
 def test_k3_is_zero_at_equal_policies():
   logp = np.random.default_rng(1).normal(-2, 1, (4, 5)).astype(np.float32)
-  out = kl.query_kl(logp, logp, np.ones((4, 5), bool))
+  out = kl.row_kl(logp, logp, np.ones((4, 5), bool))
   np.testing.assert_array_equal(out.per_row_N, np.zeros(4))
   assert float(kl.k3_from_log_ratio(jnp.float32(0.0))) == 0.0
 
@@ -96,7 +96,7 @@ def test_per_token_mean_differs_from_k3_of_summed_log_ratio():
   logp = np.array([[0.0, -1.8, -6.3], [0.0, -1.8, 0.0]], np.float32)
   ref = np.array([[0.0, -2.0, -6.0], [0.0, -2.0, 0.0]], np.float32)
   mask = np.array([[1, 1, 1], [1, 1, 0]], bool)
-  per_row = np.asarray(kl.query_kl(logp, ref, mask).per_row_N)
+  per_row = np.asarray(kl.row_kl(logp, ref, mask).per_row_N)
   summed = np.asarray(kl.k3_from_log_ratio(jnp.array([-0.1, 0.2], jnp.float32)))
   np.testing.assert_allclose(per_row[0], 0.034295, atol=1e-6)
   np.testing.assert_allclose(summed[0], math.exp(0.1) - 0.1 - 1, rtol=1e-5)
@@ -106,10 +106,10 @@ def test_per_token_mean_differs_from_k3_of_summed_log_ratio():
 
 def test_rows_without_masked_positions_give_zero_without_nan():
   mask = np.array([[1, 0], [0, 0]], bool)  # row 0: only column 0 (never scored); row 1: nothing
-  out = kl.query_kl(LOGP, REF, mask)
+  out = kl.row_kl(LOGP, REF, mask)
   np.testing.assert_array_equal(out.per_row_N, [0.0, 0.0])
   np.testing.assert_array_equal(out.count_N, [0.0, 0.0])
-  grad = jax.grad(lambda lp: kl.query_kl(lp, REF, mask).per_row_N.sum())(LOGP)
+  grad = jax.grad(lambda lp: kl.row_kl(lp, REF, mask).per_row_N.sum())(LOGP)
   np.testing.assert_array_equal(grad, np.zeros_like(LOGP))
 
 
@@ -118,14 +118,14 @@ def test_clamps_cap_values_count_tokens_and_stop_their_gradient():
   logp = np.array([[0.0, -40.0, -1.9]], np.float32)
   ref = np.array([[0.0, -10.0, -2.0]], np.float32)
   mask = np.ones((1, 3), bool)
-  out = kl.query_kl(logp, ref, mask, log_ratio_clamp=20.0, kl_max=10.0)
+  out = kl.row_kl(logp, ref, mask, log_ratio_clamp=20.0, kl_max=10.0)
   k_small = math.exp(-0.1) + 0.1 - 1
   np.testing.assert_allclose(out.sum_N, [10.0 + k_small], rtol=1e-5)
   assert float(out.clamped) == 1.0
-  grad = jax.grad(lambda lp: kl.query_kl(lp, ref, mask).per_row_N.sum())(logp)
+  grad = jax.grad(lambda lp: kl.row_kl(lp, ref, mask).per_row_N.sum())(logp)
   np.testing.assert_allclose(grad, [[0.0, 0.0, (1 - math.exp(-0.1)) / 2]], rtol=1e-4, atol=1e-7)
   # A large positive d: k3(20) = 19 + e^-20 > kl_max, clamped too.
-  out = kl.query_kl(np.array([[0.0, -1.0]], np.float32), np.array([[0.0, -26.0]], np.float32), np.ones((1, 2)))
+  out = kl.row_kl(np.array([[0.0, -1.0]], np.float32), np.array([[0.0, -26.0]], np.float32), np.ones((1, 2)))
   assert float(out.clamped) == 1.0 and float(out.sum_N[0]) == 10.0
 
 
@@ -139,7 +139,7 @@ def test_padding_values_change_nothing_including_gradients():
   junk_logp[:, 0], junk_ref[:, 0] = 1e30, -1e30  # column 0 is never scored either
 
   def f(lp, r):
-    return kl.query_kl(lp, r, mask).per_row_N.sum()
+    return kl.row_kl(lp, r, mask).per_row_N.sum()
 
   np.testing.assert_array_equal(f(logp, ref), f(junk_logp, junk_ref))
   np.testing.assert_array_equal(jax.grad(f)(logp, ref), jax.grad(f)(junk_logp, junk_ref))
@@ -150,8 +150,8 @@ def test_scored_mask_clears_column_zero_only():
 
 
 def test_query_kl_under_jit_matches_eager():
-  f = jax.jit(kl.query_kl, static_argnames=("estimator",))
+  f = jax.jit(kl.row_kl, static_argnames=("estimator",))
   for estimator in ("k1", "k2", "k3"):
-    a, b = f(LOGP, REF, MASK, estimator=estimator), kl.query_kl(LOGP, REF, MASK, estimator=estimator)
+    a, b = f(LOGP, REF, MASK, estimator=estimator), kl.row_kl(LOGP, REF, MASK, estimator=estimator)
     for x, y in zip(a, b):
       np.testing.assert_allclose(x, y, rtol=1e-6)

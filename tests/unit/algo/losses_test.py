@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from erpo_jax.algo import losses
+from erpo_jax.algo import diagnostics, kl, losses, weights
 
 MODES = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"]
 
@@ -23,9 +23,9 @@ def _worked_example():
 
 def test_worked_example_through_query_kl_and_static_weights():
   logp, ref, prompt, _ = _worked_example()
-  d_N = losses.query_kl(logp, ref, prompt).per_row_N  # 0.018731, 0.049859
-  ref_nll_Q, _ = losses.prompt_nll(ref, prompt)  # s = 2, 6
-  w_N = losses.static_weights(ref_nll_Q)  # 2, 2/3
+  d_N = kl.row_kl(logp, ref, prompt).per_row_N  # 0.018731, 0.049859
+  ref_nll_Q, _ = weights.prompt_nll(ref, prompt)  # s = 2, 6
+  w_N = weights.static_weights(ref_nll_Q)  # 2, 2/3
   j_N = jnp.array([0.3, 0.6])
   # L = (1/B) sum w (-J) + alpha (1/B) sum D = -0.5 + 0.1 * 0.034295
   loss = jnp.mean(w_N * -j_N) + 0.1 * jnp.mean(d_N)
@@ -40,18 +40,22 @@ def test_worked_example_through_erpo_loss():
   loss, metrics = losses.erpo_loss(logp, logp, ref, prompt, response, jnp.array([0.3, 0.6]),
                                    jnp.array([2.0, 2 / 3]), alpha=0.1)
   np.testing.assert_allclose(loss, -0.496571, atol=1e-6)
-  m = losses.finalize_metrics(metrics)
-  np.testing.assert_allclose(m["query_kl"], 0.034295, atol=1e-6)
-  np.testing.assert_allclose(m["kl_loss"], 0.034295, atol=1e-6)
-  np.testing.assert_allclose(m["pg_loss"], -0.5, atol=1e-6)
-  np.testing.assert_allclose(m["loss"], -0.496571, atol=1e-6)
+  w, adv = jnp.array([2.0, 2 / 3]), jnp.array([0.3, 0.6])
+  metrics.update(diagnostics.pg_diagnostics(logp, logp, adv, response))
+  metrics.update(diagnostics.erpo_diagnostics(logp, ref, prompt, response, w))
+  m = diagnostics.finalize_metrics(metrics)
+  np.testing.assert_allclose(m["kl/query"], 0.034295, atol=1e-6)
+  np.testing.assert_allclose(m["loss/kl"], 0.034295, atol=1e-6)
+  np.testing.assert_allclose(m["loss/pg"], -0.5, atol=1e-6)
+  np.testing.assert_allclose(m["loss/total"], -0.496571, atol=1e-6)
   # Policy-KL is logged although not penalised: d = -0.2, -0.1 on the response tokens.
-  np.testing.assert_allclose(m["policy_kl"], np.mean(np.expm1([0.2, 0.1]) - [0.2, 0.1]), rtol=1e-5)
-  np.testing.assert_allclose([m["weight"], m["weight_min"], m["weight_max"]], [4 / 3, 2 / 3, 2.0], rtol=1e-6)
-  np.testing.assert_allclose([m["prompt_nll"], m["prompt_nll_min"], m["prompt_nll_max"]], [4.05, 1.8, 6.3],
+  np.testing.assert_allclose(m["kl/policy"], np.mean(np.expm1([0.2, 0.1]) - [0.2, 0.1]), rtol=1e-5)
+  np.testing.assert_allclose([m["weight/mean"], m["weight/min"], m["weight/max"]], [4 / 3, 2 / 3, 2.0],
                              rtol=1e-6)
-  np.testing.assert_allclose([m["ratio"], m["ratio_min"], m["ratio_max"]], [1.0, 1.0, 1.0])
-  for name in ("clip_low_frac", "clip_high_frac", "dual_clip_frac", "kl_clamped_frac"):
+  np.testing.assert_allclose([m["prompt_nll/mean"], m["prompt_nll/min"], m["prompt_nll/max"]], [4.05, 1.8, 6.3],
+                             rtol=1e-6)
+  np.testing.assert_allclose([m["ratio/mean"], m["ratio/min"], m["ratio/max"]], [1.0, 1.0, 1.0])
+  for name in ("clip/low", "clip/high", "clip/dual", "kl/clamped_frac"):
     assert float(m[name]) == 0.0
 
 
@@ -87,7 +91,7 @@ def test_weights_none_means_ones():
   a = losses.erpo_loss(logp, logp, ref, prompt, response, jnp.array([0.3, -0.6]), None)
   b = losses.erpo_loss(logp, logp, ref, prompt, response, jnp.array([0.3, -0.6]), jnp.ones(2))
   np.testing.assert_allclose(a[0], b[0])
-  np.testing.assert_allclose(a[1]["pg_loss/sum"], b[1]["pg_loss/sum"])
+  np.testing.assert_allclose(a[1]["loss/pg/sum"], b[1]["loss/pg/sum"])
 
 
 def test_clipped_pg_loss_hand_values():
@@ -101,10 +105,10 @@ def test_clipped_pg_loss_hand_values():
   np.testing.assert_allclose(out, [[0, -1.2], [0, 0.8], [0, 3.0], [0, -1.1]], rtol=1e-6)
   grad = jax.grad(lambda lp: losses.clipped_pg_loss(lp, old, adv, mask, 0.2, 0.2, 3.0).sum())(logp)
   np.testing.assert_allclose(grad[:, 1], [0.0, 0.0, 0.0, -1.1], rtol=1e-6)  # clipped tokens stop pushing
-  d = losses.pg_diagnostics(logp, old, adv, mask, 0.2, 0.2, dual_clip=3.0)
-  # clip_low: A<0, r<0.8 (row 1); clip_high: A>0, r>1.2 (row 0); dual: A<0, r>3 (row 2). 4 scored tokens.
-  assert [float(d[k]) for k in ("clip_low/sum", "clip_high/sum", "dual_clip/sum", "ratio/count")] == [1, 1, 1, 4]
-  np.testing.assert_allclose([d["ratio/sum"], d["ratio/min"], d["ratio/max"]], [8.1, 0.5, 5.0], rtol=1e-6)
+  d = diagnostics.pg_diagnostics(logp, old, adv, mask, 0.2, 0.2, dual_clip=3.0)
+  # clip/low: A<0, r<0.8 (row 1); clip/high: A>0, r>1.2 (row 0); dual: A<0, r>3 (row 2). 4 tokens.
+  assert [float(d[k]) for k in ("clip/low/sum", "clip/high/sum", "clip/dual/sum", "ratio/mean/count")] == [1, 1, 1, 4]
+  np.testing.assert_allclose([d["ratio/mean/sum"], d["ratio/min"], d["ratio/max"]], [8.1, 0.5, 5.0], rtol=1e-6)
 
 
 def test_aggregate_hand_values_and_safe_ratio():
@@ -218,8 +222,8 @@ def test_minibatch_losses_and_grads_add_up_to_whole_batch(loss_aggregation, kl_a
   parts = [jax.value_and_grad(f, has_aux=True)(b["logp"][i:i + 2], slice(i, i + 2), den) for i in range(0, 8, 2)]
   np.testing.assert_allclose(sum(p[0][0] for p in parts), whole, rtol=1e-5)
   np.testing.assert_allclose(jnp.concatenate([p[1] for p in parts]), g_whole, rtol=1e-4, atol=1e-7)
-  combined = losses.finalize_metrics(losses.combine_metrics([p[0][1] for p in parts]))
-  for name, value in losses.finalize_metrics(m_whole).items():
+  combined = diagnostics.finalize_metrics(diagnostics.combine_metrics([p[0][1] for p in parts]))
+  for name, value in diagnostics.finalize_metrics(m_whole).items():
     np.testing.assert_allclose(combined[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
@@ -251,7 +255,7 @@ def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy():
   base, _ = losses.erpo_loss(logp, None, ref, prompt, response, jnp.ones(2), entropy_NxS=ent, entropy_coef=0.0)
   bonus, m = losses.erpo_loss(logp, None, ref, prompt, response, jnp.ones(2), entropy_NxS=ent, entropy_coef=0.1)
   np.testing.assert_allclose(base - bonus, 0.1 * 2.0, rtol=1e-5)
-  np.testing.assert_allclose(losses.finalize_metrics(m)["entropy"], 2.0)
+  np.testing.assert_allclose(diagnostics.finalize_metrics(m)["entropy/mean"], 2.0)
 
 
 def test_erpo_loss_under_jit_matches_eager():

@@ -15,7 +15,7 @@ from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import rl as bench_rl
 from erpo_jax.bench import step as bench_step
 from erpo_jax.bench.rollout import NoStopTokens
-from erpo_jax.config import dump_config, load_config
+from erpo_jax.config_io import dump_config, load_config
 from erpo_jax.model import llama
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler

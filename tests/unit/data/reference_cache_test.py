@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from erpo_jax.config import load_config
+from erpo_jax.config_io import load_config
 from erpo_jax.data import reference_cache as static_weights
 from erpo_jax.data.pipeline import dataset_prompt_tokens
 from erpo_jax.errors import UserError
-from erpo_jax.model import llama
+from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 
 
@@ -27,7 +27,7 @@ def test_static_weights_equal_clip_of_mean_over_nll_recomputed_from_the_model(tm
   prompts = dataset_prompt_tokens(cfg, tokenizer)
   nll = []
   for ids in prompts:  # one prompt at a time, no padding: an independent path
-    logp = np.asarray(llama.log_probs(model, jnp.asarray([ids])))[0]
+    logp = np.asarray(logprobs.log_probs(model, jnp.asarray([ids])))[0]
     nll.append(-logp[1:len(ids)].astype(np.float64).sum())
   nll = np.array(nll)
   want = np.clip(nll.mean() / nll, 0.0, 2.0)

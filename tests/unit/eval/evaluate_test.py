@@ -9,7 +9,8 @@ import pytest
 
 from erpo_jax.eval import evaluate
 from erpo_jax.eval import passk
-from erpo_jax.config import load_config
+from erpo_jax.config_io import load_config
+from erpo_jax.rollout import sampler as sampler_lib
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 
 # ----------------------------------------------------------------------------- estimators
@@ -164,7 +165,7 @@ def test_greedy_eval_equals_the_greedy_sampler_output(tiny, sampler):
   sampler = Sampler(model, tokenizer, max_new_tokens=M, temperature=0.0, min_prompt_bucket=16)
   roll = sampler.generate(model, prompts, group_size=1, key=jax.random.key(123))
   tokens = np.asarray(roll.tokens)
-  expected = evaluate.response_texts(tokens, np.asarray(roll.prompt_len), np.asarray(roll.response_len), tokenizer)
+  expected = sampler_lib.response_texts(tokens, np.asarray(roll.prompt_len), np.asarray(roll.response_len), tokenizer)
   assert got == expected
   # And the cache-free full-forward argmax, cut after the first EOS.
   ref = []

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from erpo_jax.config import load_config
+from erpo_jax.config_io import load_config
 from erpo_jax.eval.sample import run_sample
 
 TINY = ["model.path=random", "model.random_init.num_layers=1", "model.random_init.hidden_size=16",

@@ -19,7 +19,7 @@ from flax import nnx
 import tiny_runs
 from erpo_jax import config as config_lib
 from erpo_jax.errors import ConfigError, PathError, UserError
-from erpo_jax.model import llama
+from erpo_jax.model import logprobs
 from erpo_jax.model.io import export
 from erpo_jax.model.io import hf
 from erpo_jax.model.io import loading
@@ -39,7 +39,7 @@ def reference(name):
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _log_probs(graph, state, chunk, tokens):
-  return llama.log_probs(nnx.merge(graph, state), tokens, chunk=chunk)
+  return logprobs.log_probs(nnx.merge(graph, state), tokens, chunk=chunk)
 
 
 def log_probs(net, tokens, chunk=64):
@@ -132,7 +132,7 @@ from erpo_jax.model.io import loading
 mesh = jax.make_mesh((1, 2, 2), mesh_lib.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 net = loading.load_hf_model("{folder}", sharding_for=mesh_lib.sharding_for_axes(mesh))
 ref = np.load("{folder}/reference.npz")
-logp = jax.jit(lambda t: llama.log_probs(net, t))(ref["tokens"])
+logp = jax.jit(lambda t: logprobs.log_probs(net, t))(ref["tokens"])
 print(net.wq[...].sharding.spec, net.lm_head[...].sharding.spec, float(np.abs(logp - ref["logp"]).max()))
 """
 

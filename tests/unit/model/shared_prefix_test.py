@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from erpo_jax import buckets
 from erpo_jax.algo import losses
-from erpo_jax.model import llama, shared_prefix
+from erpo_jax.model import llama, logprobs, shared_prefix
 from erpo_jax.model.config import ModelConfig
 
 B, G, S, P, R, V = 3, 4, 26, 10, 12, 97
@@ -43,7 +44,7 @@ def make_rows(seed=0, b=B, g=G, s=S, p=P, r=R):
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
 def _both(graph, state, tokens, prompt_len, g, temperature, p_r=(P, R)):
   model = nnx.merge(graph, state)
-  plain = llama.log_probs(model, tokens, chunk=16, temperature=temperature, with_entropy=True)
+  plain = logprobs.log_probs(model, tokens, chunk=16, temperature=temperature, with_entropy=True)
   shared = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, g, prompt_bucket=p_r[0],
                                                  response_bucket=p_r[1], chunk=16, temperature=temperature,
                                                  with_entropy=True)
@@ -127,7 +128,7 @@ def _loss(state, graph, shared, tokens, prompt_len, pm, rm, old, ref, adv, w, kl
     logp, ent = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
                                                       response_bucket=R, chunk=16, with_entropy=True)
   else:
-    logp, ent = llama.log_probs(model, tokens, chunk=16, with_entropy=True)
+    logp, ent = logprobs.log_probs(model, tokens, chunk=16, with_entropy=True)
   loss, _ = losses.erpo_loss(logp, old, ref, pm, rm, adv, w, alpha=0.5, kl_on=kl_on, entropy_NxS=ent,
                              entropy_coef=0.1)
   return loss
@@ -147,7 +148,7 @@ def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layo
   model = tiny_model(cfg, seed=7, remat=remat)
   graph, state = nnx.split(model)
   rng = np.random.default_rng(0)
-  logp0 = np.asarray(llama.log_probs(model, tokens, chunk=16))
+  logp0 = np.asarray(logprobs.log_probs(model, tokens, chunk=16))
   mask = scored(pm, rm)
   old = np.where(mask, logp0 + rng.normal(0, 0.1, logp0.shape), 0).astype(np.float32)
   ref = np.where(mask, logp0 + rng.normal(0, 0.3, logp0.shape), 0).astype(np.float32)
@@ -172,7 +173,7 @@ def test_packed_responses_equal_plain_layout_and_are_zero_after_each_response(cf
   response_len = jnp.asarray(rm.sum(axis=1))
   capacity = int(response_len.sum()) + slack
   assert capacity < B * G * R  # fewer slots than the unpacked [N, R] response rows
-  plain = llama.log_probs(model, tokens, chunk=16, with_entropy=True)
+  plain = logprobs.log_probs(model, tokens, chunk=16, with_entropy=True)
   packed = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
                                           response_bucket=R, capacity=capacity, chunk=16, with_entropy=True)
   mask = scored(pm, rm)
@@ -188,7 +189,7 @@ def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
   assert idx[0].tolist() == [0, 1, 2, 12, 12] and idx[1].tolist() == [12] * 5
   assert idx[2].tolist() == [3, 4, 5, 6, 7] and idx[3].tolist() == [8, 9, 12, 12, 12]
   assert inv.tolist() == [0, 1, 2, 10, 11, 12, 13, 14, 15, 16, 20, 20]  # slots 10, 11 unused (K = 20)
-  assert shared_prefix.packed_capacity(1427, 2048) == 1536 and shared_prefix.packed_capacity(3000, 2048) == 2048
+  assert buckets.packed_capacity(1427, 2048) == 1536 and buckets.packed_capacity(3000, 2048) == 2048
 
 
 def test_shared_layout_needs_fewer_flops():
@@ -202,7 +203,7 @@ def test_shared_layout_needs_fewer_flops():
       if shared:
         return shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
                                                      response_bucket=R, chunk=16)[0].sum()
-      return llama.log_probs(model, tokens, chunk=16).sum()
+      return logprobs.log_probs(model, tokens, chunk=16).sum()
     cost = jax.jit(jax.grad(f)).lower(state).compile().cost_analysis()
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 

@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 from erpo_jax.errors import DataError
-from erpo_jax.model import llama
+from erpo_jax.model import llama, logprobs
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.rollout.sampler import Sampler, greedy_reference, prompt_bucket
+from erpo_jax.buckets import prompt_bucket
+from erpo_jax.rollout.sampler import Sampler, greedy_reference
 from erpo_jax.rollout.sampling import categorical, sample_token
 
 V = 64
@@ -71,7 +72,7 @@ def test_prompt_and_response_layout_is_group_contiguous(model):
 def test_logp_at_temperature_one_equals_model_log_probs(model):
   s = Sampler(model, tok(), max_new_tokens=12, min_prompt_bucket=4)
   r = s.generate(model, PROMPTS, group_size=4, key=jax.random.key(7))
-  want = llama.log_probs(model, r.tokens)
+  want = logprobs.log_probs(model, r.tokens)
   mask = np.asarray(r.response_mask)
   np.testing.assert_allclose(np.asarray(r.logp)[mask], np.asarray(want)[mask], atol=1e-5)
   assert np.all(np.asarray(r.logp)[~mask] == 0)
@@ -80,7 +81,7 @@ def test_logp_at_temperature_one_equals_model_log_probs(model):
 def test_logp_at_temperature_is_of_the_tempered_distribution(model):
   s = Sampler(model, tok(), max_new_tokens=8, min_prompt_bucket=4)
   r = s.generate(model, PROMPTS, group_size=2, key=jax.random.key(7), temperature=0.6)
-  want = llama.log_probs(model, r.tokens, temperature=0.6)
+  want = logprobs.log_probs(model, r.tokens, temperature=0.6)
   mask = np.asarray(r.response_mask)
   np.testing.assert_allclose(np.asarray(r.logp)[mask], np.asarray(want)[mask], atol=1e-5)
 

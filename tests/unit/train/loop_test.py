@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from erpo_jax.config import load_config
+from erpo_jax.config_io import load_config
 from erpo_jax.metrics import SPEC_SCALARS, read_jsonl, read_tensorboard_scalars
 from erpo_jax.train.loop import train
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from erpo_jax.algo import losses
+from erpo_jax.algo import advantages, kl, losses, weights
 from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
-from erpo_jax.config import load_config
-from erpo_jax.model import llama
+from erpo_jax.config_io import load_config
+from erpo_jax.model import llama, logprobs
 
 B, G, S, V = 2, 4, 24, 128
 
@@ -57,25 +58,24 @@ def build(cfg, devices=None, model_seed=0):
   graphdef, params = nnx.split(model)
   _, ref_params = nnx.split(ref)
   psh = mesh_lib.param_shardings(params, mesh)
-  settings = train_step.settings_from_config(cfg)
-  tx, schedule = train_step.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
-  osh = train_step.opt_state_shardings(tx, params, psh, mesh)
-  opt_state = train_step.init_opt_state(tx, params, osh)
-  step = train_step.build_train_step(graphdef, tx, schedule, settings, mesh=mesh, param_shardings=psh,
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
+  osh = optim.opt_state_shardings(tx, params, psh, mesh)
+  opt_state = optim.init_opt_state(tx, params, osh)
+  step = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=psh,
                                      opt_shardings=osh,
-                                     ref_shardings=psh if settings.reference == "forward" else None)
+                                     ref_shardings=psh if cfg.erpo.reference == "forward" else None)
   return step, graphdef, params, ref_params, opt_state
 
 
 def expected_loss(cfg, graphdef, params, ref_params, batch):
   """losses.erpo_loss on separately computed log-probs."""
   model = nnx.merge(graphdef, params)
-  logp = llama.log_probs(model, batch.tokens)
-  ref = llama.log_probs(nnx.merge(graphdef, ref_params), batch.tokens)
-  adv = losses.group_advantages(batch.rewards, G)
+  logp = logprobs.log_probs(model, batch.tokens)
+  ref = logprobs.log_probs(nnx.merge(graphdef, ref_params), batch.tokens)
+  adv = advantages.group_advantages(batch.rewards, G)
   w = {"static": batch.static_weight, "none": jnp.ones(B * G)}.get(cfg.erpo.weights)
   if cfg.erpo.weights == "dynamic":
-    w = losses.dynamic_weights(*losses.prompt_nll(logp, batch.prompt_mask))
+    w = weights.dynamic_weights(*weights.prompt_nll(logp, batch.prompt_mask))
   loss, _ = losses.erpo_loss(logp, logp, ref, batch.prompt_mask, batch.response_mask, adv, w,
                              alpha=cfg.erpo.alpha, kl_on=cfg.erpo.kl_on)
   return float(loss)
@@ -156,8 +156,8 @@ def test_cached_reference_needs_no_reference_params():
   cfg = tiny_cfg("erpo.reference=cached", "erpo.kl_on=prompt", "erpo.alpha=1.0")
   step, graphdef, params, _, opt = build(cfg)
   batch = make_batch()
-  logp = llama.log_probs(nnx.merge(graphdef, params), batch.tokens)
-  want = losses.query_kl(logp, batch.ref_logp, batch.prompt_mask).per_row_N.mean()
+  logp = logprobs.log_probs(nnx.merge(graphdef, params), batch.tokens)
+  want = kl.row_kl(logp, batch.ref_logp, batch.prompt_mask).per_row_N.mean()
   _, _, m = step(params, opt, None, batch)  # params are donated: compute the expectation first
   assert float(m["loss/kl"]) == pytest.approx(float(want), abs=1e-6)
 

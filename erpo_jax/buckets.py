@@ -1,0 +1,29 @@
+"""Shape buckets: sizes rounded up so that each jitted program compiles for a few shapes only."""
+
+from __future__ import annotations
+
+
+def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` >= n, and at least `multiple`."""
+  return max(multiple, -(-n // multiple) * multiple)
+
+
+def power_of_two(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= max(n, minimum, 1)."""
+  return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+
+def prompt_bucket(length: int, min_bucket: int) -> int:
+  """The sampler's prompt length P for prompts of at most `length` tokens: a power of two >= min_bucket."""
+  return power_of_two(length, min_bucket)
+
+
+def sequence_bucket(length: int) -> int:
+  """The update batch's row length S for rows of at most `length` tokens: a multiple of 32."""
+  return round_up(length, 32)
+
+
+def packed_capacity(response_tokens: int, slots: int, multiple: int = 256) -> int:
+  """Static capacity for `response_tokens` packed tokens: a multiple of `multiple`, at most
+  `slots` (= N*R, the unpacked layout). Few distinct values: one compile each."""
+  return min(slots, round_up(response_tokens, multiple))

@@ -1,0 +1,97 @@
+"""Per-token log-probs of token rows under a model: the one entry point for every caller.
+
+Dimension letters: N rows, S sequence length, B prompts, G rows per prompt
+(rows group-contiguous: row n holds prompt n // G), P prompt bucket, R response
+bucket, C packed response capacity.
+
+`log_probs(...)[:, t] = log P(x_t | x_<t)`; column 0 is 0 (the first token has
+no log-prob). The training step (policy, old policy, reference), the reference
+prompt cache, the static and dynamic question weights, the Query-KL and
+Policy-KL metrics and evaluation all call `log_probs`, so the temperature rule
+lives here only: logits are divided by `temperature` (the sampling temperature,
+so ratios compare like with like).
+
+Three layouts give the same values and differ only in the work done:
+plain (every row runs its whole sequence), shared prefix (each group's prompt
+once: [B, P] + [N, R] tokens) and packed (shared prefix with the responses laid
+end to end in C slots). `choose_layout` picks the cheapest one that applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from erpo_jax.model import shared_prefix
+from erpo_jax.model.llama import Transformer, token_log_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a forward lays out its rows; static (hashable), so each value compiles once."""
+
+  group_size: int = 0  # G; 0 = plain rows
+  prompt_bucket: int = 0  # P: every prompt_len <= P
+  response_bucket: int = 0  # R: every response within R tokens
+  capacity: int = 0  # C: packed response slots; 0 = not packed
+
+
+PLAIN = Layout()
+
+
+def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, response_bucket: int,
+                  capacity: int | None = None, shared: bool = True) -> Layout:
+  """The cheapest layout for N rows of length S.
+
+  Shared prefix needs whole groups and pays off when [B, P] + [N, R] holds
+  fewer tokens than [N, S]; packing needs a capacity below N * R.
+  """
+  G, P, R = group_size, min(prompt_bucket, S), min(response_bucket, S)
+  if not shared or G < 1 or N % G:
+    return PLAIN
+  if capacity is not None and capacity < N * R:
+    return Layout(G, P, R, capacity)
+  if (N // G) * P + N * R < N * S:
+    return Layout(G, P, R)
+  return PLAIN
+
+
+def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
+              response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int = 1024,
+              layout: Layout = PLAIN, with_entropy: bool = False):
+  """Next-token log-probs [N, S] float32 of softmax(logits / temperature).
+
+  prompt_len_N is needed by the shared-prefix layouts, response_len_N by the
+  packed one. With `with_entropy` returns (logp, entropy) with the entropy of
+  P(. | x_<t) in the same layout; else logp.
+  """
+  if layout.group_size == 0:
+    logp, entropy = _plain(model, tokens_NxS, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+  elif layout.capacity:
+    logp, entropy = shared_prefix.packed_log_probs(
+        model, tokens_NxS, prompt_len_N, response_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
+        response_bucket=layout.response_bucket, capacity=layout.capacity, chunk=chunk, temperature=temperature,
+        with_entropy=with_entropy)
+  else:
+    logp, entropy = shared_prefix.shared_prefix_log_probs(
+        model, tokens_NxS, prompt_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
+        response_bucket=layout.response_bucket, chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+  return (logp, entropy) if with_entropy else logp
+
+
+def _plain(model: Transformer, tokens_NxS: jax.Array, *, temperature: float, chunk: int, with_entropy: bool):
+  N, S = tokens_NxS.shape
+  h = model.hidden(tokens_NxS)[:, :-1]  # [N, S-1, D] predicts tokens 1..S-1
+  D = h.shape[-1]
+  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_matrix(), tokens_NxS[:, 1:].reshape(-1),
+                              chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+  zero = jnp.zeros((N, 1), jnp.float32)
+  logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)
+  return logp, (jnp.concatenate([zero, ent.reshape(N, S - 1)], axis=1) if with_entropy else None)
+
+
+def scoring_temperature(sampling_temperature: float) -> float:
+  """The temperature log-probs are scored at: the sampler's, and 1 for greedy sampling (T = 0)."""
+  return sampling_temperature if sampling_temperature > 0 else 1.0

@@ -1,0 +1,96 @@
+"""Host-side batch assembly: a rollout's rows to numpy, rewards and cached reference values in, one UpdateBatch out.
+
+Dimension letters: N rows (this process's), S sequence length, B prompts, G samples per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from erpo_jax import buckets
+from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.parallel import transfer
+from erpo_jax.train import step as train_step
+
+
+@dataclasses.dataclass
+class HostRollout:
+  """The addressable rows of a rollout, as numpy."""
+
+  tokens: np.ndarray  # [N, S] int32
+  prompt_mask: np.ndarray  # [N, S] bool
+  response_mask: np.ndarray  # [N, S] bool
+  prompt_len: np.ndarray  # [N]
+  response_len: np.ndarray  # [N]
+  truncated: np.ndarray  # [N] bool
+
+
+def to_host(roll) -> HostRollout:
+  local = transfer.global_to_host_local
+  return HostRollout(tokens=local(roll.tokens), prompt_mask=local(roll.prompt_mask),
+                     response_mask=local(roll.response_mask), prompt_len=local(roll.prompt_len),
+                     response_len=local(roll.response_len), truncated=local(roll.truncated))
+
+
+def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
+                   mesh) -> train_step.UpdateBatch:
+  """Trims to the longest row of all processes (bucketed), fills cached reference log-probs and static weights.
+
+  Each process passes its own rows; all must call it (one collective agrees on S).
+  """
+  N, S_full = h.tokens.shape
+  longest = transfer.allgather_rows(np.array([(h.prompt_len + h.response_len).max()]))
+  S = min(S_full, buckets.sequence_bucket(int(longest.max())))
+  ref_logp = np.zeros((N, S), np.float32)
+  static_w = np.ones((N,), np.float32)
+  if ref_cache is not None:
+    q_N = np.repeat(index_B, group_size)
+    static_w = ref_cache.weights[q_N].astype(np.float32)
+    for n, q in enumerate(q_N):
+      L = min(int(h.prompt_len[n]), int(ref_cache.prompt_len[q]), S)
+      ref_logp[n, :L] = ref_cache.logp[q, :L]
+  local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S],
+               response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
+               static_weight=static_w)
+  return train_step.UpdateBatch(**{
+      k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
+
+
+def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
+  """Static slots for the batch's packed response tokens (all processes agree), or None: no packing.
+
+  Packing runs on one batch shard and one minibatch (the stream crosses rows).
+  """
+  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches == 1
+          and mesh_lib.num_batch_shards(mesh) == 1):
+    return None
+  total = int(transfer.allgather_rows(np.array([int(h.response_len.sum())])).sum())
+  rows = len(h.response_len) * jax.process_count()
+  return buckets.packed_capacity(total, rows * cfg.rollout.max_new_tokens)
+
+
+def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,
+                    timeouts: int = 0, crashes: int = 0) -> dict[str, float]:
+  """Reward, length and throughput statistics of the GLOBAL batch from each process's rows.
+
+  A collective (every process calls it): the per-row values of all processes
+  are gathered, so every process returns the statistics one process with the
+  whole batch would. tokens_per_s = (prompt + response tokens) / seconds.
+  """
+  cols_Nx5 = np.stack([rewards_N, correct_N, h.prompt_len, h.response_len, h.truncated], axis=1).astype(np.float32)
+  rewards, correct, prompt_len, response_len, truncated = transfer.allgather_rows(cols_Nx5).astype(np.float64).T
+  timeouts, crashes = transfer.allgather_rows(np.array([[timeouts, crashes]], np.float32)).sum(axis=0)
+  return {
+      "reward/mean": float(rewards.mean()),
+      "reward/std": float(rewards.std()),
+      "reward/accuracy": float(correct.mean()),
+      "response/len_mean": float(response_len.mean()),
+      "response/len_max": float(response_len.max()),
+      "response/truncated": float(truncated.mean()),
+      "perf/tokens_per_s": float(prompt_len.sum() + response_len.sum()) / seconds,
+      "reward/verifier_timeouts": float(timeouts),
+      "reward/verifier_crashes": float(crashes),
+  }
