@@ -152,6 +152,10 @@ class ErpoSection:
   reference: Literal["cached", "forward"] = "cached"
   reference_dtype: Literal["float32", "bfloat16"] = "float32"
   cache_dir: str = ""  # where the static-weight / reference cache lives ("" = <run.dir>/cache)
+  # The tokens the Query-KL penalises and the question NLL s_q sums over: "prompt" = every token of the
+  # rendered prompt (chat template, system prompt, suffix; what the public implementation does), or
+  # "question" = only the tokens of the user's question text, as the paper writes q = (x_1..x_m).
+  query_span: Literal["prompt", "question"] = "prompt"
 
   def __post_init__(self):
     _check(self.alpha >= 0, "erpo.alpha", "a number >= 0", self.alpha)
@@ -176,7 +180,12 @@ class PpoSection:
   loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
   advantage_scale: Literal["group", "batch", "none"] = "group"  # none = Dr.GRPO
   advantage_eps: float = 1e-6
-  minibatches: int = 1  # optimizer steps per update batch
+  # Optimizer steps per update batch: each minibatch (B / minibatches whole prompt groups) is one step,
+  # its loss normalised over its own tokens / rows (verl's convention).
+  minibatches: int = 1
+  # Gradient accumulation inside one optimizer step: a memory knob, the same update (exact minibatch
+  # denominators). Each microbatch holds B / (minibatches * microbatches) whole prompt groups.
+  microbatches: int = 1
   epochs: int = 1  # passes over each update batch
   entropy_coef: float = 0.0
 
@@ -185,6 +194,7 @@ class PpoSection:
     _check(self.eps_high >= 0, "ppo.eps_high", "a number >= 0", self.eps_high)
     _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "null or a number > 1", self.dual_clip)
     _check(self.minibatches >= 1, "ppo.minibatches", "an integer >= 1", self.minibatches)
+    _check(self.microbatches >= 1, "ppo.microbatches", "an integer >= 1", self.microbatches)
     _check(self.epochs >= 1, "ppo.epochs", "an integer >= 1", self.epochs)
     # With eps = 0 a group whose rewards are all equal divides 0 by 0.
     _check(0 < self.advantage_eps < math.inf or self.advantage_scale == "none", "ppo.advantage_eps",
@@ -258,9 +268,10 @@ class LogSection:
   samples_every: int = 10  # steps between sample completions logged as text (0 = never)
   num_samples: int = 2
   progress: bool = True  # console progress bar
-  # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3)
-  # comes from a separate reference pass every this many steps (0 = never: no reference kept).
-  policy_kl_every: int = 1
+  # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3) comes
+  # from a separate policy + reference forward of the batch every this many steps (0 = never: no
+  # reference kept). Each costs about two forwards; erpo.reference=forward logs it every step for free.
+  policy_kl_every: int = 5
   # <run.dir>/data_indices.process<p>.jsonl: per step, the dataset indices of the prompts process p fed
   # (one {"step", "index"} line per step); audits the data order and the split across processes.
   data_indices: bool = False
@@ -314,6 +325,9 @@ class Config:
            self.rollout.group_size)
     _check(self.data.batch_size % self.ppo.minibatches == 0, "ppo.minibatches",
            f"a divisor of data.batch_size={self.data.batch_size}", self.ppo.minibatches)
+    _check(self.data.batch_size % (self.ppo.minibatches * self.ppo.microbatches) == 0, "ppo.microbatches",
+           f"a divisor of data.batch_size / ppo.minibatches = {self.data.batch_size // self.ppo.minibatches}",
+           self.ppo.microbatches)
     _check(not (self.train.eval_every > 0 and not self.eval.sets), "eval.sets",
            "at least one benchmark when train.eval_every > 0", self.eval.sets)
 

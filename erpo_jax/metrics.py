@@ -198,6 +198,15 @@ def read_tensorboard_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
   return out
 
 
+def read_tensorboard_histograms(tb_dir) -> dict[str, list[tuple[int, int]]]:
+  """{tag: [(step, number of values), ...]} of the histograms in `tb_dir`."""
+  out: dict[str, list[tuple[int, int]]] = {}
+  for step, tag, value in _summary_values(tb_dir, out):
+    if value.HasField("histo"):
+      out.setdefault(tag, []).append((step, int(value.histo.num)))
+  return out
+
+
 def read_tensorboard_text(tb_dir) -> dict[str, list[tuple[int, str]]]:
   """{tag: [(step, text), ...]} of the texts written with `write_text`."""
   out: dict[str, list[tuple[int, str]]] = {}

@@ -62,7 +62,7 @@ def synthetic_batch(prompt_tokens: list[list[int]], group_size: int, max_new_tok
   prompt_mask = pos < len_N[:, None]
   response_mask = (pos >= len_N[:, None]) & (pos < (len_N + resp_len_N)[:, None])
   ref_logp = np.where(prompt_mask & (pos >= 1), -rng.uniform(0.0, 5.0, (N, S)), 0.0).astype(np.float32)
-  return {"tokens": tokens, "prompt_mask": prompt_mask, "response_mask": response_mask,
+  return {"tokens": tokens, "prompt_mask": prompt_mask, "query_mask": prompt_mask, "response_mask": response_mask,
           "rewards": rng.integers(0, 2, N).astype(np.float32), "ref_logp": ref_logp,
           "static_weight": rng.uniform(0.5, 2.0, N).astype(np.float32), "prompt_len": len_N,
           "response_len": resp_len_N}
@@ -199,7 +199,7 @@ def step_flops(mc, inp: StepInputs, v: StepVariant) -> float:
   c = v.cfg
   return bench_flops.train_step_flops(mc, inp.shape["N"], inp.shape["S"],
                                       reference_forward=c.erpo.reference == "forward",
-                                      old_pass=train_step.needs_old_pass(c.ppo), epochs=c.ppo.epochs)
+                                      old_pass=train_step.needs_old_pass(c.ppo, c.erpo.weights), epochs=c.ppo.epochs)
 
 
 def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from erpo_jax.data.prompts import encode_prompt, fit_length, overlong_error
+from erpo_jax.data.prompts import fit_mask, encode_prompt, fit_length, overlong_error, unlocated_question_error
 from erpo_jax.data.arithmetic import generate
 from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
 from erpo_jax.data.sources import RecordSource, load_file, open_source
@@ -42,6 +42,7 @@ class PromptBatch:
   answers: list[str]  # [B_local] ground truths
   texts: list[str]  # [B_local] rendered prompt texts (before any truncation)
   index: np.ndarray  # [B_local] int64 position of each prompt in the whole training source
+  question_masks: list  # [B_local][P_b] bool: the question's tokens (None: not locatable, see prompts.py)
 
 
 class _Indexed:
@@ -84,7 +85,8 @@ class _Encode:
   def __call__(self, item: tuple[int, Record]) -> dict[str, Any]:
     i, record = item
     enc = encode_prompt(record, self.tokenizer, self.data, check=False)
-    return {"index": i, "record": record, "tokens": enc.tokens, "text": enc.text, "overlong": enc.overlong}
+    return {"index": i, "record": record, "tokens": enc.tokens, "text": enc.text, "overlong": enc.overlong,
+            "question_mask": enc.question_mask}
 
 
 def _ensure_absl_flags() -> None:
@@ -182,7 +184,8 @@ class TrainIterator:
     picked = picked[self._keep]
     return PromptBatch(ids=[e["record"].id for e in picked], prompt_tokens=[e["tokens"] for e in picked],
                        answers=[e["record"].answer for e in picked], texts=[e["text"] for e in picked],
-                       index=np.array([e["index"] for e in picked], dtype=np.int64))
+                       index=np.array([e["index"] for e in picked], dtype=np.int64),
+                       question_masks=[e["question_mask"] for e in picked])
 
   def get_state(self) -> dict[str, Any]:
     """JSON-serialisable position: the Grain iterator state plus the overlong-skip count."""
@@ -249,16 +252,22 @@ def check_training_data(cfg, tokenizer) -> None:
     train_source(cfg)
 
 
-def dataset_prompt_tokens(cfg, tokenizer) -> list[list[int]]:
-  """Prompt ids of every training record in dataset order, each at most data.max_prompt_tokens.
+def dataset_prompts(cfg, tokenizer) -> list[tuple[list[int], list[bool] | None]]:
+  """(prompt ids, question mask) of every training record in dataset order, at most data.max_prompt_tokens.
 
   As `training_prompts`, except that a prompt training skips as overlong is given
   left-truncated (fit_length) instead of None, so every position has tokens.
+  erpo.query_span=question needs every question located (DataError otherwise).
   """
   out = []
   for record in train_source(cfg):
-    tokens = encode_prompt(record, tokenizer, cfg.data).tokens
-    out.append(fit_length(tokens, cfg.data.max_prompt_tokens, tokenizer.bos_id))
+    enc = encode_prompt(record, tokenizer, cfg.data)
+    mask = enc.question_mask
+    if mask is None and cfg.erpo.query_span == "question":
+      raise unlocated_question_error(record)
+    if mask is not None and len(enc.tokens) > cfg.data.max_prompt_tokens:
+      mask = fit_mask(enc.tokens, mask, cfg.data.max_prompt_tokens, tokenizer.bos_id)
+    out.append((fit_length(enc.tokens, cfg.data.max_prompt_tokens, tokenizer.bos_id), mask))
   return out
 
 

@@ -58,9 +58,12 @@ class EncodedPrompt:
   text: str  # prompt text as rendered (before any truncation)
   tokens: list[int]  # [P] prompt token ids, at most data.max_prompt_tokens
   overlong: bool  # the rendered prompt had more than data.max_prompt_tokens tokens
+  # [P] the tokens of the user's question text, aligned with tokens; None when the chat template
+  # rewrote the question so that it cannot be located (erpo.query_span=question then refuses the record)
+  question_mask: list[bool] | None
 
 
-def fit_length(tokens: list[int], max_tokens: int, bos_id: int | None) -> list[int]:
+def fit_length(tokens: list, max_tokens: int, bos_id: int | None) -> list:
   """Left truncation to max_tokens: keeps the end (the question's last words, the suffix and the
   assistant header of the chat template) and a leading BOS token."""
   if len(tokens) <= max_tokens:
@@ -68,6 +71,44 @@ def fit_length(tokens: list[int], max_tokens: int, bos_id: int | None) -> list[i
   if bos_id is not None and tokens and tokens[0] == bos_id:
     return [bos_id] + tokens[len(tokens) - max_tokens + 1:]
   return tokens[len(tokens) - max_tokens:]
+
+
+def fit_mask(tokens: list[int], mask: list[bool], max_tokens: int, bos_id: int | None) -> list[bool]:
+  """The question mask of fit_length(tokens): the same positions kept."""
+  kept = fit_length(list(range(len(tokens))), max_tokens, None)
+  if len(tokens) > max_tokens and bos_id is not None and tokens and tokens[0] == bos_id:
+    kept = [0] + kept[1:]
+  return [mask[i] for i in kept]
+
+
+def question_of(record: Record) -> str:
+  """The user's question: the record's text, or the content of its last user turn (before any suffix)."""
+  if isinstance(record.prompt, str):
+    return record.prompt
+  users = [content for role, content in record.prompt if role == "user"]
+  return users[-1] if users else record.prompt[-1][1]
+
+
+def question_span(record: Record, text: str) -> tuple[int, int] | None:
+  """[start, end) characters of the question in the rendered prompt `text`: its last occurrence, which
+  is the last user turn (a system prompt or an earlier turn may repeat the words); None if absent."""
+  question = question_of(record)
+  for q in (question, question.strip()):
+    start = text.rfind(q) if q else -1
+    if start >= 0:
+      return start, start + len(q)
+  return None
+
+
+def unlocated_question_error(record: Record) -> DataError:
+  return DataError(f"{record.source}: record '{record.id}': the chat template changed the question text, so its "
+                   f"tokens cannot be located in the prompt; use erpo.query_span=prompt")
+
+
+def question_mask(offsets: list[tuple[int, int]], span: tuple[int, int]) -> list[bool]:
+  """Per token: does its character span [a, b) overlap the question's [start, end)?"""
+  start, end = span
+  return [a < end and b > start for a, b in offsets]
 
 
 def encode_prompt(record: Record, tokenizer, data, *, check: bool = True) -> EncodedPrompt:
@@ -78,10 +119,14 @@ def encode_prompt(record: Record, tokenizer, data, *, check: bool = True) -> Enc
   to the caller, e.g. to raise it in the main process rather than in a data worker).
   """
   text = prompt_text(record, tokenizer, data)
-  tokens = list(tokenizer.encode(text))
+  tokens, offsets = tokenizer.encode_with_offsets(text)
+  span = question_span(record, text)
+  mask = None if span is None else question_mask(offsets, span)
   overlong = len(tokens) > data.max_prompt_tokens
   if overlong and data.on_overlong == "error" and check:
     raise overlong_error(record, len(tokens), data.max_prompt_tokens)
+  if overlong and data.on_overlong == "truncate" and mask is not None:
+    mask = fit_mask(tokens, mask, data.max_prompt_tokens, tokenizer.bos_id)
   if overlong and data.on_overlong == "truncate":
     tokens = fit_length(tokens, data.max_prompt_tokens, tokenizer.bos_id)
-  return EncodedPrompt(text=text, tokens=tokens, overlong=overlong)
+  return EncodedPrompt(text=text, tokens=tokens, overlong=overlong, question_mask=mask)

@@ -20,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from erpo_jax import buckets
 from erpo_jax.algo import weights
-from erpo_jax.data.pipeline import dataset_prompt_tokens
+from erpo_jax.data.pipeline import dataset_prompts
 from erpo_jax.errors import PathError, UserError
-from erpo_jax.model import llama
+from erpo_jax.metrics import TB_DIR
+from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.parallel import mesh as mesh_lib
 
@@ -79,7 +81,7 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size:
 
   @jax.jit
   def fwd(state, tokens):
-    return llama.log_probs(nnx.merge(graphdef, state), tokens, chunk=chunk)
+    return logprobs.log_probs(nnx.merge(graphdef, state), tokens, chunk=chunk)  # prompts: temperature 1
 
   bar = None
   if progress and jax.process_index() == 0:
@@ -113,8 +115,15 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size:
   return out, lengths
 
 
-def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, keys: dict) -> ReferenceCache:
+def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, keys: dict,
+                question_masks: list | None = None) -> ReferenceCache:
+  """Static weights from the reference prompt log-probs [Q, Lmax]: s_q sums over the whole prompt, or over
+  the question's tokens when question_masks (one bool list per prompt, erpo.query_span=question) are given."""
   mask = np.arange(logp.shape[1])[None, :] < lengths[:, None]
+  if question_masks is not None:
+    mask = np.zeros(logp.shape, bool)
+    for q, m in enumerate(question_masks):
+      mask[q, :len(m)] = m
   nll, _ = weights.prompt_nll(jnp.asarray(logp), jnp.asarray(mask))
   w = weights.static_weights(nll, lo, hi)
   return ReferenceCache(weights=np.asarray(w, np.float32), nll=np.asarray(nll, np.float32), logp=logp,
@@ -156,34 +165,48 @@ def expected_keys(cfg, model, tokenizer, prompt_tokens) -> dict:
       "prompts": hashlib.sha256(prompt_settings.encode()).hexdigest()[:16],
       "data": prompts_hash(prompt_tokens),
       "clip": f"{cfg.erpo.static_clip[0]}:{cfg.erpo.static_clip[1]}",
+      "span": cfg.erpo.query_span,
   }
 
 
 def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = False) -> ReferenceCache:
   """Loads the cache for this model/tokenizer/data, computing it first when missing."""
 
-  prompt_tokens = dataset_prompt_tokens(cfg, tokenizer)
+  prompts = dataset_prompts(cfg, tokenizer)
+  prompt_tokens = [tokens for tokens, _ in prompts]
   keys = expected_keys(cfg, model, tokenizer, prompt_tokens)
   path = cache_path(cfg)
   if path.exists() and not rebuild:
     return load_cache(path, keys)
   logp, lengths = compute_reference_logp(model, prompt_tokens, mesh=mesh, chunk=cfg.model.logits_chunk,
                                          progress=cfg.log.progress)
-  cache = build_cache(logp, lengths, *cfg.erpo.static_clip, keys=keys)
+  masks = [mask for _, mask in prompts] if cfg.erpo.query_span == "question" else None
+  cache = build_cache(logp, lengths, *cfg.erpo.static_clip, keys=keys, question_masks=masks)
   if jax.process_index() == 0:
     save_cache(path, cache)
   return cache
 
 
-def run_weights(cfg) -> None:
-  """`erpo-jax weights`: (re)builds the cache and prints a summary."""
+def weight_summary(cache: ReferenceCache, clip: tuple[float, float]) -> dict:
+  """Quantiles of the static weights, the fractions clipped at each end, and the NLLs they come from."""
+  w, lo, hi = cache.weights, clip[0], clip[1]
+  q = np.quantile(w, [0.0, 0.25, 0.5, 0.75, 1.0]) if len(w) else np.zeros(5)
+  return {"prompts": int(len(w)), "nll_mean": float(cache.nll.mean()), "nll_min": float(cache.nll.min()),
+          "nll_max": float(cache.nll.max()), "weight_min": float(q[0]), "weight_q25": float(q[1]),
+          "weight_median": float(q[2]), "weight_q75": float(q[3]), "weight_max": float(q[4]),
+          "weight_mean": float(w.mean()), "clipped_at_lo": float(np.mean(w <= lo)),
+          "clipped_at_hi": float(np.mean(w >= hi))}
 
+
+def run_weights(cfg) -> None:
+  """`erpo-jax weights`: (re)builds the cache, prints a summary and writes histograms to <run.dir>/tb."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   model, tokenizer = load_model(cfg.model)
   mesh_lib.shard_model(model, mesh)
   cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh, rebuild=True)
-  w = cache.weights
   if jax.process_index() == 0:
-    print(json.dumps({"cache": str(cache_path(cfg)), "prompts": int(len(w)), "nll_mean": float(cache.nll.mean()),
-                      "weight_min": float(w.min()), "weight_mean": float(w.mean()), "weight_max": float(w.max()),
-                      "clipped_at_hi": int((w >= cfg.erpo.static_clip[1]).sum())}))
+    summary = weight_summary(cache, cfg.erpo.static_clip)
+    with SummaryWriter(str(pathlib.Path(cfg.run.dir) / TB_DIR)) as tb:
+      tb.add_histogram("weights/static", cache.weights, 0)
+      tb.add_histogram("weights/reference_nll", cache.nll, 0)
+    print(json.dumps({"cache": str(cache_path(cfg)), **summary}))

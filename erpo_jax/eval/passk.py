@@ -8,8 +8,13 @@ the chance that at least one of k samples drawn without replacement is correct i
     pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i)
 
 (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"), which is
-1 when n - c < k. Avg@k is the mean accuracy of the k samples, c / k; Pass@1 is
-the same number (pass@1 = c / n).
+1 when n - c < k. Avg@k is the mean accuracy of the k samples, c / k.
+
+Pass@1 is the paper's single-sample accuracy: each problem gets one attempt,
+its first sample, and passes if that one is correct. It estimates the same
+probability as Avg@k but from one sample per problem instead of k, so it is
+reported apart from Avg@k and is noisier (k times the variance); at
+temperature 0 every sample is the greedy answer and all three coincide.
 """
 
 from __future__ import annotations
@@ -65,8 +70,8 @@ def avg_at_k(correct_PxK) -> np.ndarray:
 def set_scores(correct_PxK, k: int) -> dict[str, float]:
   """Avg@k, Pass@k and Pass@1 of one set (means over its P problems), keyed 'avg@k', 'pass@k', 'pass@1'.
 
-  correct_PxK holds K = k samples per problem. Pass@1 uses the same samples:
-  pass@1 = c / n = Avg@k, reported under its own name as the paper does.
+  correct_PxK holds K = k samples per problem, in sampling order; Pass@1 is the
+  accuracy of each problem's first sample (module docstring).
   """
   correct_PxK = np.asarray(correct_PxK, bool)
   P, K = correct_PxK.shape
@@ -78,7 +83,7 @@ def set_scores(correct_PxK, k: int) -> dict[str, float]:
   c_P = correct_PxK.sum(axis=-1)
   return {f"avg@{k}": float(np.sum(c_P) / (P * K)),
           f"pass@{k}": float(np.sum(pass_at_k(n_P, c_P, k)) / P),
-          "pass@1": float(np.sum(pass_at_k(n_P, c_P, 1)) / P)}
+          "pass@1": float(np.mean(correct_PxK[:, 0]))}
 
 
 def mean_of(rows: list[dict], keys) -> dict[str, float]:

@@ -294,11 +294,12 @@ def decode_attention(q_NxHxDh, k_NxKxTxDh, v_NxKxTxDh, attend_NxT):
 
 
 def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *, chunk: int,
-                    temperature: float = 1.0, with_entropy: bool = False):
+                    temperature: float | jax.Array = 1.0, with_entropy: bool = False):
   """log softmax(h W / T)[target] for M tokens, C at a time; never holds [M, V].
 
-  Each chunk is rematerialised in the backward pass, so the gradient needs only
-  [C, V] of scratch memory too. Returns (logp_M, entropy_M or None), float32.
+  `temperature` is one number or one per token ([M]). Each chunk is
+  rematerialised in the backward pass, so the gradient needs only [C, V] of
+  scratch memory too. Returns (logp_M, entropy_M or None), float32.
   """
   M, D = h_MxD.shape
   C = min(chunk, M)
@@ -306,10 +307,12 @@ def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *,
   pad = n * C - M
   h = jnp.pad(h_MxD, ((0, pad), (0, 0))).reshape(n, C, D)
   t = jnp.pad(targets_M, (0, pad)).reshape(n, C)
+  temp = jnp.pad(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (M,)), (0, pad),
+                 constant_values=1.0).reshape(n, C)
 
   @jax.checkpoint
-  def one(h_CxD, t_C):
-    logits = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32) / temperature
+  def one(h_CxD, t_C, temp_C):
+    logits = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32) / temp_C[:, None]
     lse = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0] - lse
     if not with_entropy:
@@ -317,7 +320,7 @@ def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *,
     probs = jax.nn.softmax(logits, axis=-1)
     return logp, lse - jnp.sum(probs * logits, axis=-1)
 
-  logp, ent = jax.lax.map(lambda x: one(*x), (h, t))
+  logp, ent = jax.lax.map(lambda x: one(*x), (h, t, temp))
   logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]
   return logp, (ent if with_entropy else None)
 

@@ -8,8 +8,16 @@ bucket, C packed response capacity.
 no log-prob). The training step (policy, old policy, reference), the reference
 prompt cache, the static and dynamic question weights, the Query-KL and
 Policy-KL metrics and evaluation all call `log_probs`, so the temperature rule
-lives here only: logits are divided by `temperature` (the sampling temperature,
-so ratios compare like with like).
+lives here only:
+
+  prompt positions (t < prompt_len) are scored by the model's own distribution,
+  softmax(logits); response positions (t >= prompt_len) at the sampling
+  temperature, softmax(logits / T), the distribution the sampler drew from, so
+  the PPO ratio compares like with like.
+
+Question NLLs, static and dynamic weights and the Query-KL therefore do not
+depend on the sampling temperature, and the cached reference prompt
+log-probs equal those the step would compute.
 
 Three layouts give the same values and differ only in the work done:
 plain (every row runs its whole sequence), shared prefix (each group's prompt
@@ -61,14 +69,18 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
               response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int = 1024,
               layout: Layout = PLAIN, with_entropy: bool = False):
-  """Next-token log-probs [N, S] float32 of softmax(logits / temperature).
+  """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 
-  prompt_len_N is needed by the shared-prefix layouts, response_len_N by the
-  packed one. With `with_entropy` returns (logp, entropy) with the entropy of
-  P(. | x_<t) in the same layout; else logp.
+  prompt_len_N is needed unless temperature is 1 (then every position is
+  scored alike) and by the shared-prefix layouts; response_len_N by the packed
+  one. With `with_entropy` returns (logp, entropy) with the entropy of the same
+  distributions in the same layout; else logp.
   """
+  if prompt_len_N is None and temperature != 1.0:
+    raise ValueError("log_probs at a temperature other than 1 needs prompt_len_N: prompts are scored at 1")
   if layout.group_size == 0:
-    logp, entropy = _plain(model, tokens_NxS, temperature=temperature, chunk=chunk, with_entropy=with_entropy)
+    logp, entropy = _plain(model, tokens_NxS, prompt_len_N, temperature=temperature, chunk=chunk,
+                           with_entropy=with_entropy)
   elif layout.capacity:
     logp, entropy = shared_prefix.packed_log_probs(
         model, tokens_NxS, prompt_len_N, response_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
@@ -81,12 +93,17 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
   return (logp, entropy) if with_entropy else logp
 
 
-def _plain(model: Transformer, tokens_NxS: jax.Array, *, temperature: float, chunk: int, with_entropy: bool):
+def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | None, *, temperature: float,
+           chunk: int, with_entropy: bool):
   N, S = tokens_NxS.shape
   h = model.hidden(tokens_NxS)[:, :-1]  # [N, S-1, D] predicts tokens 1..S-1
   D = h.shape[-1]
+  temperature_M = temperature
+  if temperature != 1.0:
+    t_NxS1 = jnp.arange(1, S)[None, :]
+    temperature_M = jnp.where(t_NxS1 < jnp.asarray(prompt_len_N)[:, None], 1.0, temperature).reshape(-1)
   logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_matrix(), tokens_NxS[:, 1:].reshape(-1),
-                              chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+                              chunk=chunk, temperature=temperature_M, with_entropy=with_entropy)
   zero = jnp.zeros((N, 1), jnp.float32)
   logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)
   return logp, (jnp.concatenate([zero, ent.reshape(N, S - 1)], axis=1) if with_entropy else None)

@@ -130,8 +130,10 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   n // G, t = len_n from that row's hidden state at len_n - 1, later ones from
   response row n. Requires prompt_len <= P = min(prompt_bucket, S), every
   response within R = min(response_bucket, S) tokens, and the G rows of a group
-  to hold the same prompt tokens; P and R are static. Returns [N, S] float32
-  log-probs, and the entropy in the same layout with `with_entropy` (else None).
+  to hold the same prompt tokens; P and R are static. Prompt positions are
+  scored at temperature 1, response positions at `temperature` (the rule of
+  model.logprobs). Returns [N, S] float32 log-probs, and the entropy in the
+  same layout with `with_entropy` (else None).
   """
   N, S = tokens_NxS.shape
   G = group_size
@@ -145,9 +147,16 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_NxRxD.reshape(-1, D)])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_NxR.reshape(-1)])
   logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
-                                  temperature=temperature, with_entropy=with_entropy)
+                                  temperature=_split_temperature(B * (P - 1), N * R, temperature),
+                                  with_entropy=with_entropy)
   logp = _to_rows(logp_M, len_N, B, G, P, R, S)
   return logp, (_to_rows(ent_M, len_N, B, G, P, R, S) if with_entropy else None)
+
+
+def _split_temperature(prompt_tokens: int, response_tokens: int, temperature: float) -> jax.Array:
+  """Per-token temperatures of the [prompt | response] stream: prompt positions at 1, responses at T."""
+  return jnp.concatenate([jnp.ones((prompt_tokens,), jnp.float32),
+                          jnp.full((response_tokens,), temperature, jnp.float32)])
 
 
 def _to_rows(values_M: jax.Array, len_N: jax.Array, B: int, G: int, P: int, R: int, S: int) -> jax.Array:
@@ -245,7 +254,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   hp, hs, tokens_BxP, tokens_C, idx_K, inv_C = packed_hidden(
       model, tokens_NxS, prompt_len_N, response_len_N, G, prompt_bucket=prompt_bucket,
       response_bucket=response_bucket, capacity=capacity)
-  B, P, D = hp.shape
+  (B, P, D), C = hp.shape, hs.shape[0]
   R = idx_K.shape[0] // N
   len_N = prompt_len_N.astype(jnp.int32)
   h_last_BxD = last_prompt_hidden(hp, len_N, G)
@@ -256,9 +265,9 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   h_in_CxD = jnp.where((r_C == 0)[:, None], jnp.take(h_last_BxD, row_C // G, axis=0), prev_CxD)
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_CxD])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_C])
-  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
-                                  temperature=temperature, with_entropy=with_entropy)
   split = B * (P - 1)
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
+                                  temperature=_split_temperature(split, C, temperature), with_entropy=with_entropy)
 
   def to_layout(values_M):
     response_K = take_rows(values_M[split:, None], idx_K, inv_C)[:, 0]

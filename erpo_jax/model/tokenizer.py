@@ -51,6 +51,11 @@ class Tokenizer:
     """Ids of `text`, no special tokens added (special tokens written in the text are recognised)."""
     return self.backend.encode(text, add_special_tokens=False).ids
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """`encode(text)` and, per token, the (start, end) character span of `text` it covers."""
+    enc = self.backend.encode(text, add_special_tokens=False)
+    return enc.ids, [tuple(o) for o in enc.offsets]
+
   def decode(self, ids: Sequence[int]) -> str:
     """Text of `ids`, special tokens skipped."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from erpo_jax import buckets
+from erpo_jax.errors import UserError
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import transfer
 from erpo_jax.train import step as train_step
@@ -36,10 +37,12 @@ def to_host(roll) -> HostRollout:
 
 
 def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
-                   mesh) -> train_step.UpdateBatch:
+                   mesh, question_masks_B: list | None = None) -> train_step.UpdateBatch:
   """Trims to the longest row of all processes (bucketed), fills cached reference log-probs and static weights.
 
-  Each process passes its own rows; all must call it (one collective agrees on S).
+  query_mask is the prompt mask, or with question_masks_B (erpo.query_span=question: one bool list per
+  local prompt, over its tokens) only the question's tokens. Each process passes its own rows; all must
+  call it (one collective agrees on S).
   """
   N, S_full = h.tokens.shape
   longest = transfer.allgather_rows(np.array([(h.prompt_len + h.response_len).max()]))
@@ -50,9 +53,22 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
     q_N = np.repeat(index_B, group_size)
     static_w = ref_cache.weights[q_N].astype(np.float32)
     for n, q in enumerate(q_N):
-      L = min(int(h.prompt_len[n]), int(ref_cache.prompt_len[q]), S)
+      L = int(h.prompt_len[n])
+      if L != int(ref_cache.prompt_len[q]):
+        raise UserError(f"reference cache: training prompt {q} has {int(ref_cache.prompt_len[q])} tokens in the "
+                        f"cache but {L} in this batch; the cache was made for other prompts: delete it or run "
+                        f"'erpo-jax weights --config ...' to rebuild it")
       ref_logp[n, :L] = ref_cache.logp[q, :L]
-  local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S],
+  query_mask = h.prompt_mask[:, :S]
+  if question_masks_B is not None:
+    query_mask = np.zeros((N, S), bool)
+    for n in range(N):
+      m = question_masks_B[n // group_size]
+      if m is None or len(m) != int(h.prompt_len[n]):
+        raise UserError(f"erpo.query_span=question: the question of training prompt {int(index_B[n // group_size])} "
+                        "cannot be located in its tokens; use erpo.query_span=prompt")
+      query_mask[n, :len(m)] = m
+  local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S], query_mask=query_mask,
                response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
                static_weight=static_w)
   return train_step.UpdateBatch(**{
@@ -64,7 +80,7 @@ def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
 
   Packing runs on one batch shard and one minibatch (the stream crosses rows).
   """
-  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches == 1
+  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches * cfg.ppo.microbatches == 1
           and mesh_lib.num_batch_shards(mesh) == 1):
     return None
   total = int(transfer.allgather_rows(np.array([int(h.response_len.sum())])).sum())

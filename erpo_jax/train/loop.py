@@ -115,7 +115,7 @@ def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
     ref_sh = param_sh
   if not forward and ref_params is not None:
-    policy_kl_fn = train_step.build_policy_kl(graphdef, cfg, mesh=mesh, ref_shardings=ref_sh)
+    policy_kl_fn = train_step.build_policy_kl(graphdef, cfg, mesh=mesh, param_shardings=param_sh)
 
   tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
   opt_sh = optim.opt_state_shardings(tx, params, param_sh, mesh)
@@ -172,17 +172,17 @@ def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
       scored = hooks.scored(step, verifier.score(texts, [a for a in batch.answers for _ in range(G)]))
       t2 = time.perf_counter()
 
-      update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh)
+      update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh,
+                              batch.question_masks if cfg.erpo.query_span == "question" else None)
+      prompt_bucket = roll.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
       want_policy_kl = policy_kl_fn is not None and log_step and step % cfg.log.policy_kl_every == 0
-      if want_policy_kl:
-        policy_kl = policy_kl_fn(ref_params, update.tokens, update.response_mask,
-                                 roll.logp[:, :update.tokens.shape[1]])
+      if want_policy_kl:  # before the update, which donates params: the policy that sampled
+        policy_kl = policy_kl_fn(params, ref_params, update.tokens, update.prompt_mask, update.response_mask,
+                                 prompt_bucket)
       t3 = time.perf_counter()
-      params, opt_state, dev_metrics = step_fn(
-          params, opt_state, ref_params if forward else None, update,
-          roll.tokens.shape[1] - cfg.rollout.max_new_tokens,  # the sampler's prompt bucket
-          response_capacity(cfg, host, mesh))
+      params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params if forward else None, update,
+                                               prompt_bucket, response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if not finite:

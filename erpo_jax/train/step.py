@@ -1,7 +1,12 @@
 """The one jitted ERPO/GRPO update: forwards, penalties, advantages x weights, clipped ratio, optax update.
 
 Dimension letters: B prompts, G samples per prompt, N = B*G rows (group-contiguous:
-row n belongs to prompt n // G), S sequence length, M minibatches.
+row n belongs to prompt n // G), S sequence length, M minibatches, K microbatches.
+
+Each minibatch is one optimizer step whose loss is normalised over its own
+tokens / rows; its K microbatches accumulate gradients with the minibatch's
+denominators, so K changes memory, not the update. Advantages and question
+weights are constants of the whole update batch.
 
 `build_train_step` returns the ONE jitted function of the project's update, with
 explicit shardings and donation of params and optimizer state. Everything the
@@ -33,15 +38,17 @@ class UpdateBatch:
 
   tokens: jax.Array  # [N, S] int32, prompt first, response next, right-padded
   prompt_mask: jax.Array  # [N, S] bool, prompt tokens
+  query_mask: jax.Array  # [N, S] bool, the tokens the Query-KL and question NLL cover (erpo.query_span)
   response_mask: jax.Array  # [N, S] bool, sampled tokens incl. EOS, no padding
   rewards: jax.Array  # [N] float32
   ref_logp: jax.Array  # [N, S] float32 cached reference log-probs at prompt positions (reference=cached)
   static_weight: jax.Array  # [N] float32 w(q) from the static-weight cache (weights=static)
 
 
-def needs_old_pass(ppo: PpoSection) -> bool:
-  """Several optimizer steps per batch need the behaviour log-probs from before the first one."""
-  return ppo.minibatches * ppo.epochs > 1
+def needs_old_pass(ppo: PpoSection, weights: str = "none") -> bool:
+  """A forward of the whole batch before the first update: several optimizer steps need the behaviour
+  log-probs, and dynamic weights over microbatches need the whole batch's prompt NLLs."""
+  return ppo.minibatches * ppo.epochs > 1 or (weights == "dynamic" and ppo.microbatches > 1)
 
 
 def _split_rows(x, m: int):
@@ -63,7 +70,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   """
   e, p, G = cfg.erpo, cfg.ppo, cfg.rollout.group_size
   temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
-  old_pass = needs_old_pass(p)
+  old_pass = needs_old_pass(p, e.weights)
 
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     N, S = tokens.shape
@@ -77,9 +84,9 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
            response_capacity: int | None = None):
     N = batch.tokens.shape[0]
-    M = p.minibatches
-    # Packing is over the whole batch: minibatches run unpacked.
-    capacity = response_capacity if M == 1 else None
+    M, K = p.minibatches, p.microbatches
+    # Packing is over the whole batch: minibatches and microbatches run unpacked.
+    capacity = response_capacity if M * K == 1 else None
     whole_batch_logp = lambda params: jax.lax.stop_gradient(
         logp_of(params, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity))
     # Advantages and weights are constants of the whole update batch.
@@ -89,27 +96,24 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       old_logp = whole_batch_logp(params)
     else:
       old_logp = jnp.zeros(batch.tokens.shape, jnp.float32)  # unused: sg(logp) of the one forward
-    denominators = losses.global_denominators(batch.prompt_mask, batch.response_mask,
-                                              loss_aggregation=p.loss_aggregation,
-                                              kl_aggregation=e.kl_aggregation, kl_on=e.kl_on)
     if e.weights == "static":
       w_N = batch.static_weight
     elif e.weights == "dynamic" and old_pass:
-      w_N = weights.dynamic_weights(*weights.prompt_nll(old_logp, batch.prompt_mask), clip=e.dynamic_clip)
+      w_N = weights.dynamic_weights(*weights.prompt_nll(old_logp, batch.query_mask), clip=e.dynamic_clip)
     else:
       w_N = jnp.ones((N,), jnp.float32)  # none, or dynamic from the one forward (below)
 
-    def loss_fn(params, mb):
+    def loss_fn(params, mb, denominators):
       logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], mb["response_mask"], True, prompt_bucket,
                               capacity)
       old = mb["old_logp"] if old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
       if e.weights == "dynamic" and not old_pass:
         # One minibatch = the whole update batch: its mean is the global mean.
-        w = weights.dynamic_weights(*weights.prompt_nll(jax.lax.stop_gradient(logp), mb["prompt_mask"]),
+        w = weights.dynamic_weights(*weights.prompt_nll(jax.lax.stop_gradient(logp), mb["query_mask"]),
                                     clip=e.dynamic_clip)
       loss, pieces = losses.erpo_loss(
-          logp, old, mb["ref_logp"], mb["prompt_mask"], mb["response_mask"], mb["adv"], w,
+          logp, old, mb["ref_logp"], mb["query_mask"], mb["response_mask"], mb["adv"], w,
           alpha=e.alpha, kl_on=e.kl_on, estimator=e.estimator, log_ratio_clamp=e.log_ratio_clamp,
           kl_max=e.kl_max, eps_low=p.eps_low, eps_high=p.eps_high, dual_clip=p.dual_clip,
           loss_aggregation=p.loss_aggregation, kl_aggregation=e.kl_aggregation, entropy_NxS=entropy,
@@ -117,18 +121,36 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       pieces.update(diagnostics.pg_diagnostics(logp, old, mb["adv"], mb["response_mask"], p.eps_low, p.eps_high,
                                                p.dual_clip))
       pieces.update(diagnostics.erpo_diagnostics(
-          logp, mb["ref_logp"], mb["prompt_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
+          logp, mb["ref_logp"], mb["query_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
           kl_max=e.kl_max, kl_aggregation=e.kl_aggregation))
       return loss, pieces
 
-    rows = {"tokens": batch.tokens, "prompt_mask": batch.prompt_mask, "response_mask": batch.response_mask,
+    rows = {"tokens": batch.tokens, "prompt_mask": batch.prompt_mask, "query_mask": batch.query_mask,
+            "response_mask": batch.response_mask,
             "ref_logp": ref_logp, "old_logp": old_logp, "adv": adv_N, "w": w_N}
     mbs = jax.tree.map(lambda x: _split_rows(x, M), rows)
 
+    def minibatch_grads(params, mb):
+      """Loss, pieces and gradient of one minibatch, its K microbatches summed with its own denominators."""
+      denominators = losses.global_denominators(mb["query_mask"], mb["response_mask"],
+                                                loss_aggregation=p.loss_aggregation,
+                                                kl_aggregation=e.kl_aggregation, kl_on=e.kl_on)
+      grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+      if K == 1:
+        return grad_fn(params, mb, denominators)
+
+      def accumulate(grad_sum, micro):
+        (loss, pieces), grads = grad_fn(params, micro, denominators)
+        return jax.tree.map(jnp.add, grad_sum, grads), (loss, pieces)
+
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      grads, (loss_K, pieces_K) = jax.lax.scan(accumulate, zeros, jax.tree.map(lambda x: _split_rows(x, K), mb))
+      return (loss_K.sum(), diagnostics.combine_metrics(pieces_K)), grads
+
     def one_update(carry, mb):
       params, opt_state = carry
-      (loss, pieces), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-      grad_norm = optax.tree.norm(grads)
+      (loss, pieces), grads = minibatch_grads(params, mb)
+      grad_norm = optax.tree.norm(grads)  # of the gradient that is clipped and applied
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, new_opt = tx.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
@@ -141,7 +163,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
         one_update, (params, opt_state),
         jax.tree.map(lambda x: jnp.tile(x, (p.epochs,) + (1,) * (x.ndim - 1)), mbs))
     metrics = diagnostics.finalize_metrics(diagnostics.combine_metrics(pieces))
-    metrics["loss/total"] = metrics["loss/total"] / p.epochs  # loss parts of every epoch were added up
+    metrics["loss/total"] = metrics["loss/total"] / (M * p.epochs)  # the mean of the optimizer steps' losses
     metrics["optim/grad_norm"] = jnp.mean(grad_norm)
     metrics["optim/finite"] = jnp.min(finite.astype(jnp.float32))
     metrics["optim/lr"] = schedule(count0)
@@ -152,8 +174,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     return params, opt_state, metrics
 
   rows2, rows1 = mesh_lib.batch_sharding(mesh, 2), mesh_lib.batch_sharding(mesh, 1)
-  batch_sh = UpdateBatch(tokens=rows2, prompt_mask=rows2, response_mask=rows2, rewards=rows1, ref_logp=rows2,
-                         static_weight=rows1)
+  batch_sh = UpdateBatch(tokens=rows2, prompt_mask=rows2, query_mask=rows2, response_mask=rows2, rewards=rows1,
+                         ref_logp=rows2, static_weight=rows1)
   # Params and optimizer state are donated: the update happens in place in device memory.
   # prompt_bucket and response_capacity are static: one compile per value met.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),
@@ -161,21 +183,30 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
                  donate_argnums=(0, 1), static_argnums=(4, 5))
 
 
-def build_policy_kl(graphdef: nnx.GraphDef, cfg: Config, *, mesh: Mesh, ref_shardings):
-  """Jitted Policy-KL (response k3 mean) of sampled tokens against the frozen reference.
+def build_policy_kl(graphdef: nnx.GraphDef, cfg: Config, *, mesh: Mesh, param_shardings):
+  """Jitted Policy-KL (response k3, row mean) of the current policy against the frozen reference.
 
-  For erpo.reference=cached, whose step has no reference forward. `logp_NxS`
-  are the sampler's log-probs: those of the policy that generated the tokens.
+  For erpo.reference=cached, whose step has no reference forward. Both sides
+  are full distributions under the log-prob rule (model.logprobs): the
+  responses at the sampling temperature, never the sampler's top-p / top-k
+  filtered log-probs. Costs a policy and a reference forward of the batch;
+  call it before the step, which donates the params.
   """
-  e = cfg.erpo
+  e, G = cfg.erpo, cfg.rollout.group_size
+  temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
 
-  def policy_kl(ref_params, tokens_NxS, response_mask_NxS, logp_NxS):
-    ref = logprobs.log_probs(nnx.merge(graphdef, ref_params), tokens_NxS, chunk=cfg.model.logits_chunk,
-                             temperature=logprobs.scoring_temperature(cfg.rollout.temperature))
-    row = kl.row_kl(logp_NxS, ref, response_mask_NxS, estimator="k3", log_ratio_clamp=e.log_ratio_clamp,
-                    kl_max=e.kl_max)
+  def policy_kl(params, ref_params, tokens_NxS, prompt_mask_NxS, response_mask_NxS, prompt_bucket):
+    N, S = tokens_NxS.shape
+    layout = logprobs.choose_layout(N, S, group_size=G, prompt_bucket=prompt_bucket,
+                                    response_bucket=cfg.rollout.max_new_tokens, shared=cfg.model.shared_prefix)
+    logp_of = lambda p: logprobs.log_probs(
+        nnx.merge(graphdef, p), tokens_NxS, prompt_len_N=prompt_mask_NxS.sum(axis=1), temperature=temperature,
+        chunk=cfg.model.logits_chunk, layout=layout)
+    row = kl.row_kl(logp_of(params), logp_of(ref_params), response_mask_NxS, estimator="k3",
+                    log_ratio_clamp=e.log_ratio_clamp, kl_max=e.kl_max)
     # Mean over rows that have response tokens, as the step's kl/policy (row-mean aggregation).
     return losses.ratio(row.per_row_N.sum(), (row.count_N > 0).sum().astype(jnp.float32))
 
   rows = mesh_lib.batch_sharding(mesh, 2)
-  return jax.jit(policy_kl, in_shardings=(ref_shardings, rows, rows, rows), out_shardings=mesh_lib.replicated(mesh))
+  return jax.jit(policy_kl, in_shardings=(param_shardings, param_shardings, rows, rows, rows),
+                 out_shardings=mesh_lib.replicated(mesh), static_argnums=(5,))

@@ -16,7 +16,7 @@ import tiny_runs
 from erpo_jax.config import Config, DataSection, EvalSection, ModelSection
 from erpo_jax.data import PAPER_PROMPT_SUFFIX, load_file
 from erpo_jax.data.arithmetic import generate
-from erpo_jax.data.pipeline import (PromptBatch, dataset_prompt_tokens, make_eval_source, make_train_iterator,
+from erpo_jax.data.pipeline import (PromptBatch, dataset_prompts, make_eval_source, make_train_iterator,
                                     train_source, training_prompts)
 from erpo_jax.errors import ConfigError, DataError, PathError
 
@@ -284,7 +284,7 @@ def test_overlong_prompts_are_skipped_and_counted(tokenizer):
   assert it.skipped_overlong > 0 and it.get_state()["skipped_overlong"] == it.skipped_overlong
   listed = training_prompts(_cfg(max_prompt_tokens=limit), tokenizer)
   assert sum(t is None for _, t in listed) == sum(n > limit for n in lengths)
-  assert all(len(t) <= limit for t in dataset_prompt_tokens(_cfg(max_prompt_tokens=limit), tokenizer))
+  assert all(len(t) <= limit for t, _ in dataset_prompts(_cfg(max_prompt_tokens=limit), tokenizer))
 
 
 def test_overlong_prompts_are_cut_from_the_left_with_truncate(tokenizer):
@@ -304,7 +304,7 @@ def test_overlong_prompt_is_a_data_error_naming_the_record(tokenizer):
 def test_training_prompts_list_every_record_in_dataset_order(tokenizer):
   listed = training_prompts(_cfg(), tokenizer)
   assert [i for i, _ in listed] == [r.id for r in train_source(_cfg())]
-  assert dataset_prompt_tokens(_cfg(), tokenizer) == [t for _, t in listed]
+  assert [t for t, _ in dataset_prompts(_cfg(), tokenizer)] == [t for _, t in listed]
   batch = next(_iter(tokenizer))
   assert [listed[i] for i in batch.index] == list(zip(batch.ids, batch.prompt_tokens))
 

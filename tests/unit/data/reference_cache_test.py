@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from erpo_jax.config_io import load_config
+from erpo_jax import metrics
 from erpo_jax.data import reference_cache as static_weights
-from erpo_jax.data.pipeline import dataset_prompt_tokens
+from erpo_jax.data.pipeline import dataset_prompts
 from erpo_jax.errors import UserError
 from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
@@ -24,7 +25,7 @@ def test_static_weights_equal_clip_of_mean_over_nll_recomputed_from_the_model(tm
   cfg = tiny(tmp_path)
   static_weights.run_weights(cfg)
   model, tokenizer = load_model(cfg.model)
-  prompts = dataset_prompt_tokens(cfg, tokenizer)
+  prompts = [t for t, _ in dataset_prompts(cfg, tokenizer)]
   nll = []
   for ids in prompts:  # one prompt at a time, no padding: an independent path
     logp = np.asarray(logprobs.log_probs(model, jnp.asarray([ids])))[0]
@@ -63,3 +64,12 @@ def test_cli_weights_rebuilds_and_prints_a_summary(tmp_path):
   assert summary["prompts"] == 8
   assert 0.0 <= summary["weight_min"] <= summary["weight_mean"] <= summary["weight_max"] <= 2.0
   assert (tmp_path / "cache" / "reference_cache.npz").is_file()
+  with np.load(tmp_path / "cache" / "reference_cache.npz") as f:
+    w = f["weights"]
+  want = np.quantile(w, [0.25, 0.5, 0.75])
+  np.testing.assert_allclose([summary["weight_q25"], summary["weight_median"], summary["weight_q75"]], want,
+                             rtol=1e-6)
+  assert summary["clipped_at_hi"] == pytest.approx(np.mean(w >= 2.0))
+  assert summary["clipped_at_lo"] == pytest.approx(np.mean(w <= 0.0))
+  histograms = metrics.read_tensorboard_histograms(tmp_path / "tb")
+  assert histograms["weights/static"] == [(0, 8)] and histograms["weights/reference_nll"] == [(0, 8)]

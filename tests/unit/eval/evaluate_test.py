@@ -65,12 +65,20 @@ def test_pass_at_k_rejects_fewer_samples_than_k_and_bad_counts():
     passk.pass_at_k(3, 4, 1)
 
 
+def test_pass_at_1_is_the_first_samples_accuracy_not_avg_at_k():
+  # 3 problems x 2 samples: first samples right, wrong, wrong; Avg@2 = 3/6, Pass@1 = 1/3.
+  correct_PxK = np.array([[1, 0], [0, 1], [0, 1]], bool)
+  scores = passk.set_scores(correct_PxK, 2)
+  assert scores["avg@2"] == pytest.approx(0.5) and scores["pass@1"] == pytest.approx(1 / 3)
+  assert scores["pass@2"] == pytest.approx(1.0)
+
+
 def test_avg_at_k_is_the_mean_of_correct_flags():
   correct_PxK = np.random.default_rng(0).random((7, 5)) < 0.4
   assert float(np.mean(passk.avg_at_k(correct_PxK))) == pytest.approx(correct_PxK.mean(), abs=1e-15)
   scores = passk.set_scores(correct_PxK, 5)
   assert scores["avg@5"] == pytest.approx(correct_PxK.mean(), abs=1e-15)
-  assert scores["pass@1"] == pytest.approx(scores["avg@5"], abs=1e-15)
+  assert scores["pass@1"] == pytest.approx(correct_PxK[:, 0].mean(), abs=1e-15)  # one attempt: the first sample
   # k = K: a problem passes iff one of its samples is correct.
   assert scores["pass@5"] == pytest.approx(correct_PxK.any(axis=1).mean(), abs=1e-15)
 

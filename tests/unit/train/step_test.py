@@ -42,7 +42,8 @@ def make_batch(seed=0, n=B * G, s=S):
     tokens[i + 1:i + G, :prompt_len[i]] = tokens[i, :prompt_len[i]]
   tokens = np.where(prompt_mask | response_mask, tokens, 0)
   return train_step.UpdateBatch(
-      tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask), response_mask=jnp.asarray(response_mask),
+      tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask), query_mask=jnp.asarray(prompt_mask),
+      response_mask=jnp.asarray(response_mask),
       rewards=jnp.asarray(rng.integers(0, 2, n).astype(np.float32)),
       ref_logp=jnp.asarray(np.where(prompt_mask, -rng.random((n, s)) * 5, 0).astype(np.float32)),
       static_weight=jnp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32)))
