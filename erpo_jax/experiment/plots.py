@@ -86,9 +86,12 @@ def temperature_plot(path, series: dict[str, dict[str, list[float]]], *, k: int)
   fig = Figure(figsize=(SIZE[0] * 1.6, SIZE[1]))
   axes = fig.subplots(1, 2)
   for ax, key, name in ((axes[0], "avg", f"Avg@{k}"), (axes[1], "pass", f"Pass@{k}")):
+    top = 0.0
     for label, s in series.items():
       xs, ys = _finite(s["x"], [100 * v for v in s[key]])
       ax.plot(xs, ys, label=label, marker="o", markersize=3, linewidth=1.5)
+      top = max([top, *ys])
+    ax.set_ylim(0, min(100.0, top * 1.15 + 1.0))
     ax.set_title(f"{name} against sampling temperature")
     ax.set_xlabel("temperature")
     ax.set_ylabel(f"{name} (%)")
