@@ -353,7 +353,7 @@ class ExperimentSection:
   seeds: tuple[int, ...] = (0, 1)  # each sets train.seed and data.shuffle_seed of its runs
   dir: str = "runs/experiment"  # experiment folder: runs/, plots/, report.md
   base_eval: bool = True  # also evaluate the untrained model (the reference line of the plots)
-  final_window: int = 5  # "final" train metrics: mean over the last this many logged steps
+  final_window: int = 5  # "final" train metrics: mean over the rows of the last this many steps
   smooth: int = 1  # step plots: trailing moving average over this many steps (1 = raw)
   analyze_num: int = 32  # training questions of the NLL analysis per model (0 = no analysis)
   analyze_seed: int = 0  # which questions, and the sampling key of their responses

@@ -181,3 +181,18 @@ def test_time_left_is_the_mean_time_of_each_phase_times_what_is_not_done(tmp_pat
   assert p.left(1) == "~1m40s left"
   assert out.getvalue().startswith("experiment [5/5] d analyze: done in 0m10s")
   assert json.loads(path.read_text().splitlines()[-1]) == {"task": "d", "phase": "analyze", "seconds": 10.0}
+
+
+def test_a_run_that_stops_before_its_last_step_stops_the_experiment(tmp_path, monkeypatch):
+  from erpo_jax.experiment import runner
+  trained = []
+  monkeypatch.setattr(runner, "_train", trained.append)  # as a SIGTERM'd trainer: returns, no final checkpoint
+  cfg = load_config("configs/ablation_tiny.yaml", [f"experiment.dir={tmp_path}", "experiment.base_eval=false",
+                                                   "experiment.analyze_num=0"])
+  out = io.StringIO()
+  assert runner.run_experiment(cfg, out=out) is None
+  assert [c.run.dir for c in trained] == [str(tmp_path / "runs" / "grpo-s0")]
+  assert out.getvalue().splitlines() == [
+      "experiment [1/8] grpo-s0 train: started; time left not known yet",
+      "experiment [1/8] grpo-s0 train: stopped before its last step; run the same command to resume"]
+  assert not (tmp_path / "report.md").exists()

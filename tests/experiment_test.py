@@ -134,17 +134,22 @@ def test_accuracy_and_scatter_plots_draw_the_eval_and_analysis_results(grid):
   assert scatter["series"]["grpo-s0"]["y"] == points["response_nll"]
 
 
-def test_a_rerun_redoes_only_a_deleted_run_and_a_deleted_eval(grid):
+def test_a_rerun_redoes_a_deleted_run_and_eval_and_resumes_a_run_from_its_checkpoint(grid):
   folder, _ = grid
   shutil.rmtree(folder / "runs" / "grpo-s1")
   (folder / "runs" / "erpo_static-s0" / "eval" / "eval_step3.json").unlink()
-  kept = {r: tree_hashes(folder / "runs" / r) for r in ("grpo-s0", "erpo_static-s1")}
+  shutil.rmtree(folder / "runs" / "erpo_static-s1" / "checkpoints" / "3")  # as if stopped after step 2
+  kept = {"grpo-s0": tree_hashes(folder / "runs" / "grpo-s0")}
   proc = experiment(folder)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert started(proc.stdout) == ["erpo_static-s0 eval", "grpo-s1 train", "grpo-s1 eval", "grpo-s1 analyze"]
-  assert proc.stdout.count("done before, skipped") == 14 - 4
+  assert started(proc.stdout) == ["erpo_static-s0 eval", "grpo-s1 train", "grpo-s1 eval", "grpo-s1 analyze",
+                                  "erpo_static-s1 train"]
+  assert proc.stdout.count("done before, skipped") == 14 - 5
   assert {r: tree_hashes(folder / "runs" / r) for r in kept} == kept  # untouched
-  assert [r["step"] for r in read_jsonl(folder / "runs" / "grpo-s1" / "metrics.jsonl")] == [1, 2, 3]
+  assert f"resumed from {folder / 'runs' / 'erpo_static-s1'}/checkpoints at step 2" in proc.stdout + proc.stderr
+  for run in ("grpo-s1", "erpo_static-s1"):
+    assert [r["step"] for r in read_jsonl(folder / "runs" / run / "metrics.jsonl")] == [1, 2, 3]
+    assert (folder / "runs" / run / "checkpoints" / "3").is_dir()
   assert (folder / "runs" / "erpo_static-s0" / "eval" / "eval_step3.json").is_file()
   assert "| grpo | 2 |" in (folder / "report.md").read_text()
 

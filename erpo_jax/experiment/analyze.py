@@ -110,11 +110,12 @@ def format_summary(result: dict, label: str = "") -> str:
           f"Spearman {result['spearman_per_token']:.3f})")
 
 
-def run_analyze(cfg, *, checkpoint: str | None = None, num: int | None = None, out: str | None = None,
-                title: str = "") -> dict:
+def run_analyze(cfg, *, checkpoint: str | None = None, num: int | None = None, seed: int | None = None,
+                out: str | None = None, title: str = "") -> dict:
   """`erpo-jax analyze`: loads the model (or a checkpoint of run.dir), writes analyze.json and analyze.png.
 
-  Default folder <run.dir>/analyze/<base|step<k>>; num defaults to experiment.analyze_num.
+  Default folder <run.dir>/analyze/<base|step<k>>; num and seed default to experiment.analyze_num
+  and experiment.analyze_seed.
   """
   from erpo_jax.errors import ConfigError
   from erpo_jax.experiment import plots
@@ -132,7 +133,8 @@ def run_analyze(cfg, *, checkpoint: str | None = None, num: int | None = None, o
     label = f"step{step_dir.name}"
   folder = pathlib.Path(out) if out else pathlib.Path(cfg.run.dir) / "analyze" / label
   result = {"model": cfg.model.path, "checkpoint": checkpoint,
-            **analyze_model(cfg, model, tokenizer, num=num, seed=cfg.experiment.analyze_seed)}
+            **analyze_model(cfg, model, tokenizer, num=num,
+                                  seed=cfg.experiment.analyze_seed if seed is None else seed)}
   folder.mkdir(parents=True, exist_ok=True)
   tmp = folder / (JSON_NAME + ".tmp")
   tmp.write_text(json.dumps(result) + "\n")

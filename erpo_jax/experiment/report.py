@@ -92,7 +92,7 @@ def step_series(runs: list[RunData], variants: list[str], key: str, smooth: int 
 
 
 def temperature_series(runs: list[RunData], variants: list[str], base: dict | None = None) -> dict:
-  """{label: {"x": temperatures, "avg": [...], "pass": [...]}}: each variant's mean over seeds, and the untrained model."""
+  """{label: {"x": temperatures, "avg": [...], "pass": [...]}}: the untrained model, each variant's mean over seeds."""
   out = {}
   if base is not None:
     k = base["k"]
@@ -127,15 +127,16 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def markdown(table: dict, *, k: int, temperatures: list[float], train_temperature: float, seeds: list[int],
-             base: dict | None = None, base_analyze: dict | None = None, plots: list[tuple[str, str]] = (),
-             header: str = "") -> str:
+             window: int = 1, base: dict | None = None, base_analyze: dict | None = None,
+             plots: list[tuple[str, str]] = (), header: str = "") -> str:
   """The report: training table, Avg@k and Pass@k tables, gap, NLL correlations, plot links."""
   n = lambda v: max((c[2] for c in table[v].values()), default=0)
   cell = lambda v, key, **kw: fmt(table[v].get(key), **kw)
   base_cell = lambda key: fmt((base[key], 0.0, 1), scale=100) if base and key in base else "-"
   lines = [header.rstrip(), ""] if header else []
   lines += [f"Numbers are mean ± standard deviation over seeds {', '.join(map(str, seeds))} (ddof = 1); "
-            "accuracies in %. \"Final\" training numbers average the last logged steps (experiment.final_window).", ""]
+            f"accuracies in %. \"Final\" training numbers average the last {window} steps "
+            "(experiment.final_window; Policy-KL: its last logged value when none of them has it).", ""]
   lines += ["## Training (final)", ""]
   lines += _table(["variant", "seeds", "train reward", "train accuracy (%)", "Query-KL", "Policy-KL", "entropy"],
                   [[v, str(n(v)), cell(v, "train_reward", digits=3), cell(v, "train_accuracy", scale=100),

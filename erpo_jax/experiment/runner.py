@@ -90,6 +90,8 @@ class Progress:
         total += sum(self.seconds[phase]) / len(self.seconds[phase])
       else:
         unknown = True
+    if unknown and total == 0:
+      return "time left not known yet"
     return f"~{_hms(total)}{' + ?' if unknown else ''} left"
 
   def line(self, i: int, text: str) -> None:
@@ -118,7 +120,8 @@ def _tasks(cfg: Config, specs: list[RunSpec]):
                 lambda: _evaluate(base, None, base_eval_path(base))))
   if exp.analyze_num:
     out.append((report.BASE, "base_analyze", (base_analyze_dir(base) / JSON_NAME).is_file(),
-                lambda: run_analyze(base, num=exp.analyze_num, out=str(base_analyze_dir(base)), title=report.BASE)))
+                lambda: run_analyze(base, num=exp.analyze_num, seed=exp.analyze_seed, out=str(base_analyze_dir(base)),
+                                    title=report.BASE)))
   for s in specs:
     c = s.cfg
     out.append((s.name, "train", _final_step_dir(c) is not None, lambda c=c: _train(c)))
@@ -127,7 +130,7 @@ def _tasks(cfg: Config, specs: list[RunSpec]):
     if exp.analyze_num:
       out.append((s.name, "analyze", (analyze_dir(c) / JSON_NAME).is_file(),
                   lambda c=c, n=s.name: run_analyze(c, checkpoint=str(c.train.steps), num=exp.analyze_num,
-                                                    out=str(analyze_dir(c)), title=n)))
+                                                    seed=exp.analyze_seed, out=str(analyze_dir(c)), title=n)))
   return out
 
 
@@ -141,8 +144,11 @@ def _evaluate(cfg: Config, checkpoint: str | None, out: pathlib.Path) -> None:
   run_eval(cfg, checkpoint=checkpoint, out=str(out))
 
 
-def run_experiment(cfg: Config, *, out=None) -> pathlib.Path:
-  """Runs (or resumes) the grid of cfg.experiment and writes the report; returns the report's path."""
+def run_experiment(cfg: Config, *, out=None) -> pathlib.Path | None:
+  """Runs (or resumes) the grid of cfg.experiment and writes the report; returns the report's path.
+
+  A run stopped by SIGTERM (the trainer saves and returns) stops the experiment too: None.
+  """
   exp = cfg.experiment
   root = pathlib.Path(exp.dir)
   specs = grid.plan(cfg)
@@ -165,6 +171,9 @@ def run_experiment(cfg: Config, *, out=None) -> pathlib.Path:
     progress.line(i, f"{name} {phase}: started; {progress.left(i - 1)}")
     t0 = time.monotonic()
     action()
+    if phase == "train" and _final_step_dir(next(s.cfg for s in specs if s.name == name)) is None:
+      progress.line(i, f"{name} train: stopped before its last step; run the same command to resume")
+      return None
     progress.done(i, name, phase, time.monotonic() - t0)
   path = write_report(cfg, specs)
   progress.line(len(tasks) - 1, f"report: {path}")
@@ -245,9 +254,9 @@ def write_report(cfg: Config, specs: list[RunSpec]) -> pathlib.Path:
     links.append(("question NLL vs response NLL", "plots/nll_scatter.png"))
 
   base_summary = report.eval_summary(base_eval) if base_eval else None
-  text = report.markdown(table, k=k, temperatures=list(cfg.eval.temperatures), train_temperature=cfg.rollout.temperature,
-                         seeds=list(exp.seeds), base=base_summary, base_analyze=base_analyze, plots=links,
-                         header=_header(cfg))
+  text = report.markdown(table, k=k, temperatures=list(cfg.eval.temperatures),
+                         train_temperature=cfg.rollout.temperature, seeds=list(exp.seeds), window=exp.final_window,
+                         base=base_summary, base_analyze=base_analyze, plots=links, header=_header(cfg))
   missing = [s.name for s in specs if not any(r.variant == s.variant and r.seed == s.seed and r.eval for r in runs)]
   if missing:
     text += f"\nNot yet evaluated: {', '.join(missing)}.\n"
