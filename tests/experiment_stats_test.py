@@ -86,6 +86,9 @@ def test_run_summary_gives_bands_mean_and_the_gap_at_the_training_temperature():
   s = report.run_summary(r, train_temperature=1.0, window=1)
   assert s["train_reward"] == 0.5 and s["train_accuracy"] == 0.4
   assert s["kl_query"] == 0.02 and s["kl_policy"] == 0.0 and s["entropy"] == 0.5
+  assert math.isnan(s["kl_ratio"])  # no Policy-KL drift yet: no ratio
+  r.rows[1]["kl/policy"] = 0.004
+  assert report.run_summary(r, train_temperature=1.0, window=1)["kl_ratio"] == pytest.approx(5.0)
   assert s["avg@T=0.5"] == 0.30 and s["pass@T=1.5"] == 0.3
   assert s["avg/mean"] == pytest.approx(0.2) and s["pass/mean"] == pytest.approx(0.4)
   assert s["avg/low"] == 0.30 and s["avg/high"] == 0.10

@@ -60,6 +60,7 @@ def run_summary(run: RunData, *, train_temperature: float, window: int) -> dict[
          "kl_query": stats.final_value(run.rows, "kl/query", window),
          "kl_policy": stats.final_value(run.rows, "kl/policy", window),
          "entropy": stats.final_value(run.rows, "entropy/mean", window)}
+  out["kl_ratio"] = out["kl_query"] / out["kl_policy"] if out["kl_policy"] > 0 else math.nan
   if run.eval is not None:
     out.update(eval_summary(run.eval))
     t = closest_temperature(run.eval["temperatures"], train_temperature)
@@ -138,10 +139,11 @@ def markdown(table: dict, *, k: int, temperatures: list[float], train_temperatur
             f"accuracies in %. \"Final\" training numbers average the last {window} steps "
             "(experiment.final_window; Policy-KL: its last logged value when none of them has it).", ""]
   lines += ["## Training (final)", ""]
-  lines += _table(["variant", "seeds", "train reward", "train accuracy (%)", "Query-KL", "Policy-KL", "entropy"],
+  lines += _table(["variant", "seeds", "train reward", "train accuracy (%)", "Query-KL", "Policy-KL",
+                   "Query-KL / Policy-KL", "entropy"],
                   [[v, str(n(v)), cell(v, "train_reward", digits=3), cell(v, "train_accuracy", scale=100),
                     cell(v, "kl_query", digits=2, sci=True), cell(v, "kl_policy", digits=2, sci=True),
-                    cell(v, "entropy", digits=3)] for v in table])
+                    cell(v, "kl_ratio", digits=1), cell(v, "entropy", digits=3)] for v in table])
   t_train = closest_temperature(temperatures, train_temperature)
   for short, name in (("avg", f"Avg@{k}"), ("pass", f"Pass@{k}")):
     lines += ["", f"## Held-out {name} (%) by sampling temperature", ""]
