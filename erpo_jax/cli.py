@@ -1,4 +1,4 @@
-"""Command line: erpo-jax train | eval | weights | sample | export | bench."""
+"""Command line: erpo-jax train | eval | weights | sample | export | bench | experiment | analyze."""
 
 from __future__ import annotations
 
@@ -57,12 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
   _add_common(p)
   p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
+
+  p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
+  _add_common(p)
+
+  p = sub.add_parser("analyze", help="question NLL vs the NLL of sampled responses (Pearson, Spearman, scatter)")
+  _add_common(p)
+  p.add_argument("--checkpoint", default=None,
+                 help="a checkpoint step folder, 'latest' (of run.dir), or omit for the untrained model")
+  p.add_argument("--num", type=int, default=None, help="training questions (default: experiment.analyze_num)")
+  p.add_argument("--out", default=None, help="output folder (default: <run.dir>/analyze/<base|step<k>>)")
   return parser
 
 
 def _dispatch(args: argparse.Namespace) -> int:
   # Each command imports what it needs here: `erpo-jax --help` and config errors stay fast, without JAX.
-  from erpo_jax.parallel import multihost
+  from erpo_jax.parallel.mesh import multihost
   from erpo_jax.config_io import load_config
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
@@ -88,6 +98,12 @@ def _dispatch(args: argparse.Namespace) -> int:
   elif args.command == "bench":
     from erpo_jax.bench.run import run_bench
     run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
+  elif args.command == "experiment":
+    from erpo_jax.experiment.runner import run_experiment
+    run_experiment(cfg)
+  elif args.command == "analyze":
+    from erpo_jax.experiment.analyze import run_analyze
+    run_analyze(cfg, checkpoint=args.checkpoint, num=args.num, out=args.out)
   return 0
 
 

@@ -318,6 +318,7 @@ class Config:
   log: LogSection = LogSection()
   eval: EvalSection = EvalSection()
   run: RunSection = RunSection()
+  experiment: ExperimentSection = dataclasses.field(default_factory=lambda: ExperimentSection())  # below
 
   def __post_init__(self):
     _check(not (self.rollout.group_size < 2 and self.ppo.advantage_scale != "none"), "rollout.group_size",
@@ -341,3 +342,31 @@ def _to_plain(x):
   if isinstance(x, tuple):
     return [_to_plain(v) for v in x]
   return x
+
+
+# The ablation variants of `erpo-jax experiment` (their overrides: erpo_jax/experiment/grid.py VARIANTS).
+VariantName = Literal["grpo", "grpo_star", "query_kl", "erpo_static", "erpo_dynamic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSection:
+  """`erpo-jax experiment`: variants x seeds as run folders <dir>/runs/<variant>-s<seed>, then eval and report."""
+
+  variants: tuple[VariantName, ...] = ("grpo", "erpo_static", "erpo_dynamic")
+  seeds: tuple[int, ...] = (0, 1)  # each sets train.seed and data.shuffle_seed of its runs
+  dir: str = "runs/experiment"  # experiment folder: runs/, plots/, report.md
+  base_eval: bool = True  # also evaluate the untrained model (the reference line of the plots)
+  final_window: int = 5  # "final" train metrics: mean over the rows of the last this many steps
+  smooth: int = 1  # step plots: trailing moving average over this many steps (1 = raw)
+  analyze_num: int = 32  # training questions of the NLL analysis per model (0 = no analysis)
+  analyze_seed: int = 0  # which questions, and the sampling key of their responses
+
+  def __post_init__(self):
+    _check(len(self.variants) > 0 and len(set(self.variants)) == len(self.variants), "experiment.variants",
+           "a non-empty list of distinct variant names", self.variants)
+    _check(len(self.seeds) > 0 and len(set(self.seeds)) == len(self.seeds), "experiment.seeds",
+           "a non-empty list of distinct integers", self.seeds)
+    _check(bool(self.dir), "experiment.dir", "a folder path", self.dir)
+    _check(self.final_window >= 1, "experiment.final_window", "an integer >= 1", self.final_window)
+    _check(self.smooth >= 1, "experiment.smooth", "an integer >= 1", self.smooth)
+    _check(self.analyze_num >= 0, "experiment.analyze_num", "an integer >= 0", self.analyze_num)
