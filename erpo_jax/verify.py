@@ -26,16 +26,18 @@ MAX_BRACE_DEPTH = 32  # deeper {...} nesting inside \boxed is refused
 MAX_EXPONENT_DIGITS = 4  # x^{12345} or a power tower x^{a^{b}} is refused
 _BOX_TRIES = 8  # unterminated \boxed occurrences skipped before giving up
 
-# A number as models and data sets write it: 1,234 / 14{,}916 / 1\!000 (unambiguous thousands groups only,
+# A number as models and data sets write it: 1,234 / 1 234 / 14{,}916 / 1\!000 (unambiguous thousands groups only,
 # never "32, 349"), decimals, \frac{a}{b} / \dfrac{a}{b} / \frac12, mixed numbers 2\frac{1}{3}, a/b.
-_INT_PART = r"\d{1,3}(?:(?:,|\{,\}|\\!|\\,)\d{3})+(?![\d])|\d+"
+_INT_PART = r"\d{1,3}(?:(?:,| |\s*\{\s*,\s*\}\s*|\\!|\\,)\d{3})+(?![\d])|\d+"
 _FRAC_TOKEN = r"\\[dt]?frac(?:\{\s*-?\d+\s*\}\{\s*-?\d+\s*\}|\d\d)"
 _LATEX_NUMBER = (rf"-?\s*(?:(?:\d+\s*)?{_FRAC_TOKEN}|(?:{_INT_PART})(?:\.\d+)?(?:\s*/\s*\d+)?|\.\d+)")
 # Decorations after a number that do not change it: percent, degrees, a unit word in \text{}.
 _NUMBER_SUFFIX = (r"(?:\s*(?:\\%|%|\^\s*\{?\\circ\}?|°|\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}"
                   r"(?:\^\{?[23]\}?)?))?")
-# The lenient fallback's number: never digits inside a word ("AZYUK2A", "x2", "2nd") or an exponent.
-_LOOSE_NUMBER_RE = re.compile(rf"(?<![A-Za-z0-9_^.\\])(?:{_LATEX_NUMBER}){_NUMBER_SUFFIX}(?![A-Za-z0-9_])")
+# The lenient fallback's number: never digits that follow a letter ("AZYUK2A", "x2") or a power sign;
+# a unit glued after it ("12cm") is allowed.
+_LOOSE_NUMBER_RE = re.compile(rf"(?<![A-Za-z0-9_^.\\])(?:{_LATEX_NUMBER}){_NUMBER_SUFFIX}(?![0-9_])")
+_FINAL_ANSWER_RE = re.compile(r"final answer is\s*:?\s*", re.IGNORECASE)
 _GSM8K_NUMBER_RE = re.compile(rf"(?:\\\$|\$)?\s*({_LATEX_NUMBER}{_NUMBER_SUFFIX})")
 _MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _MAX_BOXES = 64  # boxes read from one response
@@ -101,7 +103,7 @@ def all_boxed(text: str) -> list[str]:
 
 def split_top_level(s: str) -> list[str]:
   """Parts of s split at commas and semicolons outside (), [], {} and \\{ \\}; thousands groups kept."""
-  s = re.sub(r"(?<=\d)\{,\}(?=\d{3})", "", s)
+  s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", "", s)
   if re.fullmatch(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*", s):
     return [s]
   parts, depth, start = [], 0, 0
@@ -120,6 +122,10 @@ def split_top_level(s: str) -> list[str]:
 def has_several_elements(gold: str) -> bool:
   """Whether a ground truth lists several answers ("1, -2", "6 \\text{ and } 8"), not one number."""
   g = gold.strip().strip("$").strip()
+  for left, right in (("\\{", "\\}"), ("{", "}")):  # a set: its elements
+    if g.startswith(left) and g.endswith(right):
+      g = g[len(left):-len(right)]
+      break
   return len(split_top_level(g)) > 1 or bool(re.search(r"\\text\{\s*(?:and|or)\s*\}", g))
 
 
@@ -136,6 +142,22 @@ def _gsm8k(text: str) -> str | None:
       return m.group(1)
   line = line.rstrip(".").strip()
   return line or None
+
+
+def _final_answer(text: str) -> tuple[int, str] | None:
+  """(position, answer) after the last "final answer is" (Minerva's "Final Answer: The final answer is $X$")."""
+  last = None
+  for last in _FINAL_ANSWER_RE.finditer(text):
+    pass
+  if last is None:
+    return None
+  rest = text[last.end():last.end() + MAX_ANSWER_CHARS]
+  span = _MATH_SPAN_RE.match(rest)
+  if span:
+    inner = next(g for g in span.groups() if g is not None).strip()
+    return (last.start(), inner) if inner else None
+  m = _GSM8K_NUMBER_RE.match(rest)
+  return (last.start(), m.group(1)) if m else None
 
 
 def _last_number(text: str) -> str | None:
@@ -188,6 +210,28 @@ def is_pathological(answer: str) -> bool:
   return bool(re.search(rf"\d{{{MAX_EXPONENT_DIGITS + 1},}}\s*!", s))
 
 
+def gold_answer(text: str) -> str:
+  """The answer a reference solution or ground-truth string states.
+
+  Its boxed answers (several distinct ones joined: "\\boxed{1} and \\boxed{-2}" -> "1, -2"),
+  else the answer after "####", else the text without its math delimiters ("$[0,1)$" -> "[0,1)").
+  """
+  boxes = list(dict.fromkeys(b.strip() for b in all_boxed(text) if b.strip()))
+  if boxes:
+    return ", ".join(boxes)
+  if "####" in text:
+    found = _gsm8k(text)
+    if found:
+      return found.strip()
+  s = text.strip()
+  for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+    if s.startswith(left) and s.endswith(right) and len(s) > len(left) + len(right):
+      inner = s[len(left):-len(right)]
+      if left != "$" or "$" not in inner:
+        return inner.strip()
+  return s
+
+
 def extract_answer(text: str, mode: str = "auto", gold: str | None = None) -> str | None:
   """The final answer of a response, or None when there is none (or it is refused).
 
@@ -195,9 +239,11 @@ def extract_answer(text: str, mode: str = "auto", gold: str | None = None) -> st
   "gsm8k": the number (or line) after the last "####".
   "last_number": the last standalone number, or the last inline-math span if it ends later;
   digits inside a word ("AZYUK2A", "x2") are never a number.
-  "auto" (lenient): boxed if present, else "####", else as last_number.
+  "auto" (lenient): boxed if present (an unboxed "final answer is X" after the last box wins),
+  else "####", else as last_number.
   When `gold` lists several answers ("1, -2") and the response boxes several distinct ones
-  (`\\boxed{-2} and \\boxed{1}`), the boxes are joined: "-2, 1".
+  (`\\boxed{-2} and \\boxed{1}`), all its boxes are joined, as math-verify does: "-2, 1". Boxing
+  extra candidates does not pay: the joined set must equal the gold's.
   """
   text = text[-MAX_RESPONSE_CHARS:]
   if mode not in ("boxed", "gsm8k", "last_number", "auto"):
@@ -209,6 +255,10 @@ def extract_answer(text: str, mode: str = "auto", gold: str | None = None) -> st
       boxes = list(dict.fromkeys(b.strip() for b in all_boxed(text) if b.strip()))
       if len(boxes) > 1:
         found = ", ".join(boxes)
+  if mode == "auto":
+    final = _final_answer(text)
+    if final is not None and (found is None or final[0] > max(text.rfind("\\boxed"), text.rfind("\\fbox"))):
+      found = final[1]
   if found is None and mode in ("gsm8k", "auto"):
     found = _gsm8k(text)
   if found is None and mode in ("last_number", "auto"):
@@ -240,7 +290,8 @@ def normalize(s: str) -> str:
   trailing unit `\\text{cm}`, thousands separators ("1,000", "1{,}000" -> "1000") and
   whitespace; \\dfrac/\\tfrac -> \\frac and \\frac12 -> \\frac{1}{2}.
   """
-  s = s.strip().replace("\\$", "").replace("$", "").replace("{,}", ",")
+  s = s.strip().replace("\\$", "").replace("$", "")
+  s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", ",", s).replace("{,}", ",")
   s = s.replace("\\left", "").replace("\\right", "")
   s = _SPACING.sub(" ", s)
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
