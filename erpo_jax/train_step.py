@@ -123,7 +123,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     model = nnx.merge(graphdef, params)
     (N, S), G = tokens.shape, s.group_size
-    P, R = min(prompt_bucket or s.max_prompt_len, S), min(s.max_response_len, S)
+    P, R = min(prompt_bucket or s.max_prompt_len or S, S), min(s.max_response_len, S)  # 0: auto, not resolved
     if s.shared_prefix and capacity is not None and N % G == 0 and capacity < N * R:
       logp, entropy = shared_prefix.packed_log_probs(
           model, tokens, prompt_mask.sum(axis=1), response_mask.sum(axis=1), G, prompt_bucket=P,

@@ -119,6 +119,7 @@ class TrainIterator:
   """Endless iterator of PromptBatch for one process; get_state/set_state resume it exactly."""
 
   def __init__(self, cfg, tokenizer, process_index: int, process_count: int, source: RecordSource):
+    cfg = _resolved(cfg, tokenizer)
     data = cfg.data
     if data.batch_size % process_count:
       raise ConfigError(f"data.batch_size: expected a multiple of the number of processes ({process_count}), "
@@ -214,6 +215,14 @@ def _int_keys(state: Any) -> Any:
   return state
 
 
+def _resolved(cfg, tokenizer):
+  """cfg with data.max_prompt_tokens = 0 (auto) resolved (erpo_jax.data.check); the commands resolve it first."""
+  if cfg.data.max_prompt_tokens:
+    return cfg
+  from erpo_jax.data.check import resolve_max_prompt_tokens  # pylint: disable=import-outside-toplevel
+  return resolve_max_prompt_tokens(cfg, tokenizer)
+
+
 def make_train_iterator(cfg, tokenizer, process_index: int | None = None,
                         process_count: int | None = None) -> TrainIterator:
   """The training iterator of this process (defaults: jax.process_index() / jax.process_count())."""
@@ -227,6 +236,7 @@ def training_prompts(cfg, tokenizer) -> list[tuple[str, list[int] | None]]:
   Tokens are those training feeds the model (truncated under on_overlong=truncate);
   None marks a prompt that training skips (on_overlong=skip); on_overlong=error raises.
   """
+  cfg = _resolved(cfg, tokenizer)
   out = []
   for record in train_source(cfg):
     enc = encode_prompt(record, tokenizer, cfg.data)
@@ -253,6 +263,7 @@ def dataset_prompt_tokens(cfg, tokenizer) -> list[list[int]]:
   As `training_prompts`, except that a prompt training skips as overlong is given
   left-truncated (fit_length) instead of None, so every position has tokens.
   """
+  cfg = _resolved(cfg, tokenizer)
   out = []
   for record in train_source(cfg):
     tokens = encode_prompt(record, tokenizer, cfg.data).tokens

@@ -8,9 +8,11 @@ messages are kept in `source.bad_rows`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pathlib
+import re
 from typing import Iterator
 
 from erpo_jax.data.shapes import SHAPES, RowError, detect_shape, parse_row
@@ -32,11 +34,13 @@ class Record:
 class RecordSource:
   """A list of Records held in memory, with the count of skipped malformed rows."""
 
-  def __init__(self, name: str, records: list[Record], skipped: int = 0, bad_rows: tuple[str, ...] = ()):
+  def __init__(self, name: str, records: list[Record], skipped: int = 0, bad_rows: tuple[str, ...] = (),
+               skip_reasons: dict[str, int] | None = None):
     self.name = name
     self.records = records
     self.skipped = skipped  # malformed rows skipped (on_bad_row=skip)
     self.bad_rows = bad_rows  # the first few of their messages
+    self.skip_reasons = dict(skip_reasons or {})  # reason -> number of rows skipped for it
 
   def __len__(self) -> int:
     return len(self.records)
@@ -125,7 +129,7 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
     shape = _detect_or_fail(p, columns, prompt_column, answer_column)
   records: list[Record] = []
   seen: dict[str, str] = {}
-  skipped, bad = 0, []
+  skipped, bad, reasons = 0, [], collections.Counter()
   for where, row, error in rows:
     if row is not None and shape is None:
       shape = _detect_or_fail(p, row.keys(), prompt_column, answer_column, where)
@@ -141,6 +145,7 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
       if on_bad_row != "skip":
         raise DataError(f"{where}: {error}")
       skipped += 1
+      reasons[_reason(error)] += 1
       if len(bad) < _KEEP_BAD_ROWS:
         bad.append(f"{where}: {error}")
       continue
@@ -148,7 +153,13 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
     records.append(Record(id=rid, prompt=prompt, answer=answer, source=str(p), level=level))
   if not records:
     raise DataError(f"{p}: no usable rows" + (f" ({skipped} malformed, first: {bad[0]})" if bad else ""))
-  return RecordSource(str(p), records, skipped, tuple(bad))
+  return RecordSource(str(p), records, skipped, tuple(bad), dict(reasons))
+
+
+def _reason(error: str) -> str:
+  """A row error without its row-specific details: "invalid JSON", "field 'answer': missing", ..."""
+  reason = re.sub(r"\s*\(.*$", "", error)
+  return re.sub(r"duplicate id '.*'", "duplicate id", reason)
 
 
 def _detect_or_fail(p, columns, prompt_column, answer_column, where=None) -> str:
