@@ -189,9 +189,9 @@ class Verifier:
 
   def close(self) -> None:
     if self._workers and self.total_scored:
-      log.info("verifier: %d responses scored, %d timed out (%.2f%%), %d worker crashes, %d verdicts from the cache",
-               self.total_scored, self.total_timeouts, 100.0 * self.total_timeouts / self.total_scored,
-               self.total_crashes, self.total_cached)
+      log.log(logging.WARNING if self.total_timeouts else logging.INFO,
+              "verifier: %d responses scored, %d timed out (%.2f%%), %d worker crashes, %d verdicts from the cache",
+              self.total_scored, self.total_timeouts, 100.0 * self.timeout_rate, self.total_crashes, self.total_cached)
     for w in self._workers:
       w.stop()
     self._workers = []

@@ -180,3 +180,10 @@ def test_timeouts_are_counted_and_logged_with_their_rate(caplog):
   assert "1 answer(s) timed out after 0.5 s of CPU time" in caplog.text
   assert "25.00% of 4 responses" in caplog.text
   assert "4 responses scored, 1 timed out (25.00%)" in caplog.text
+
+
+def test_the_console_progress_shows_the_timeout_rate(tmp_path, capsys):
+  from erpo_jax.metrics import MetricsWriter
+  with MetricsWriter(tmp_path, tensorboard=False, progress=True, total_steps=2) as writer:
+    writer.write(1, {"reward/mean": 0.5, "reward/verifier_timeouts": 2.0, "reward/verifier_timeout_rate": 0.0625})
+  assert "timeouts=6.2%" in capsys.readouterr().err
