@@ -73,8 +73,10 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-  # "builtin:arithmetic" or a .jsonl / .parquet file.
+  # "builtin:arithmetic", a .jsonl / .parquet file, or a preset read from data.preset_dir:
+  # preset:math_l3to5 (training), preset:math500|aime24|aime25|amc|minerva|olympiadbench (eval.sets).
   source: str = "builtin:arithmetic"
+  preset_dir: str = "data"  # where presets' files are (erpo_jax.data.sources.PRESETS names each one)
   # Row shape: auto-detected, or one of verl, trl, gsm8k, math, columns.
   format: Literal["auto", "verl", "trl", "gsm8k", "math", "columns"] = "auto"
   prompt_column: str = ""  # with format=columns (or to override a shape's column)

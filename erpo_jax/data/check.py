@@ -69,11 +69,10 @@ def gold_response(gold: str, extract: str) -> tuple[str, str]:
 
 
 def _source_for_check(cfg):
-  from erpo_jax.data.sources import BUILTIN_ARITHMETIC, load_file, open_source  # pylint: disable=import-outside-toplevel
-  d = cfg.data
-  if d.source.startswith("builtin:") and d.source != BUILTIN_ARITHMETIC:
-    return open_source(d.source, d)  # the error names the unknown builtin
-  if d.source == BUILTIN_ARITHMETIC:
+  """data.source with malformed rows skipped and counted, whatever data.on_bad_row says."""
+  from erpo_jax.data.sources import PRESET_PREFIX, load_file, open_source  # pylint: disable=import-outside-toplevel
+  d = dataclasses.replace(cfg.data, on_bad_row="skip")
+  if d.source.startswith(("builtin:", PRESET_PREFIX)):
     return open_source(d.source, d)
   return load_file(d.source, format=d.format, prompt_column=d.prompt_column, answer_column=d.answer_column,
                    on_bad_row="skip")

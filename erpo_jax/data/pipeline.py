@@ -23,7 +23,7 @@ import grain
 import numpy as np
 
 from erpo_jax.data.prompts import encode_prompt, fit_length, overlong_error
-from erpo_jax.data.sources import BUILTIN_ARITHMETIC, Record, RecordSource, open_source
+from erpo_jax.data.sources import BUILTIN_ARITHMETIC, PRESET_PREFIX, Record, RecordSource, open_source
 from erpo_jax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,9 @@ def make_eval_source(cfg, set_name: str) -> RecordSource:
   """
   from erpo_jax.data.arithmetic import generate  # pylint: disable=import-outside-toplevel
   from erpo_jax.data.sources import load_file  # pylint: disable=import-outside-toplevel
-  if set_name == BUILTIN_ARITHMETIC:
+  if set_name.startswith(PRESET_PREFIX):
+    source = open_source(set_name, cfg.data)
+  elif set_name == BUILTIN_ARITHMETIC:
     exclude: frozenset[str] = frozenset()
     if cfg.data.source == BUILTIN_ARITHMETIC:
       exclude = frozenset(r.prompt for r in generate(cfg.data.size, cfg.data.levels, cfg.data.builtin_seed))

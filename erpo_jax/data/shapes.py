@@ -35,7 +35,7 @@ def detect_shape(columns, prompt_column: str = "", answer_column: str = "") -> s
   cols = set(columns)
   if "reward_model" in cols and "prompt" in cols:
     return "verl"
-  if "problem" in cols and "solution" in cols:
+  if "problem" in cols and ("solution" in cols or "answer" in cols):
     return "math"
   if "question" in cols and "answer" in cols:
     return "gsm8k"
