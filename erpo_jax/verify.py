@@ -28,18 +28,20 @@ _BOX_TRIES = 8  # unterminated \boxed occurrences skipped before giving up
 
 # A number as models and data sets write it: 1,234 / 1 234 / 14{,}916 / 1\!000 (unambiguous thousands groups only,
 # never "32, 349"), decimals, \frac{a}{b} / \dfrac{a}{b} / \frac12, mixed numbers 2\frac{1}{3}, a/b.
-_INT_PART = r"\d{1,3}(?:(?:,| |\s*\{\s*,\s*\}\s*|\\!|\\,)\d{3})+(?![\d])|\d+"
-_FRAC_TOKEN = r"\\[dt]?frac(?:\{\s*-?\d+\s*\}\{\s*-?\d+\s*\}|\d\d)"
-_LATEX_NUMBER = (rf"-?\s*(?:(?:\d+\s*)?{_FRAC_TOKEN}|(?:{_INT_PART})(?:\.\d+)?(?:\s*/\s*\d+)?|\.\d+)")
+_INT_PART = r"\d{1,3}(?:(?:,| | ?\{ ?, ?\} ?|\\!|\\,)\d{3})+(?!\d)|\d+"
+_FRAC_TOKEN = r"\\[dt]?frac(?:\{ ?-?\d+ ?\}\{ ?-?\d+ ?\}|\d\d)"
+# Whitespace inside a number is at most one space at each place, so no pattern backtracks over a long run.
+_LATEX_NUMBER = rf"(?:- ?)?(?:(?:\d+ ?)?{_FRAC_TOKEN}|(?:{_INT_PART})(?:\.\d+)?(?: ?/ ?\d+)?|\.\d+)"
 # Decorations after a number that do not change it: percent, degrees, a unit word in \text{}.
-_NUMBER_SUFFIX = (r"(?:\s*(?:\\%|%|\^\s*\{?\\circ\}?|°|\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}"
+_NUMBER_SUFFIX = (r"(?: ?(?:\\%|%|\^ ?\{?\\circ\}?|°|\\(?:text|mbox|mathrm)\{ ?[A-Za-z][A-Za-z .]{0,30}\}"
                   r"(?:\^\{?[23]\}?)?))?")
 # The lenient fallback's number: never digits that follow a letter ("AZYUK2A", "x2") or a power sign;
 # a unit glued after it ("12cm") is allowed.
 _LOOSE_NUMBER_RE = re.compile(rf"(?<![A-Za-z0-9_^.\\])(?:{_LATEX_NUMBER}){_NUMBER_SUFFIX}(?![0-9_])")
-_FINAL_ANSWER_RE = re.compile(r"final answer is\s*:?\s*", re.IGNORECASE)
-_GSM8K_NUMBER_RE = re.compile(rf"(?:\\\$|\$)?\s*({_LATEX_NUMBER}{_NUMBER_SUFFIX})")
-_MATH_SPAN_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_FINAL_ANSWER_RE = re.compile(r"final answer is ?:? ?", re.IGNORECASE)
+_GSM8K_NUMBER_RE = re.compile(rf"(?:\\\$|\$)? ?({_LATEX_NUMBER}{_NUMBER_SUFFIX})")
+_MATH_SPAN_RE = re.compile(r"\$\$(.{1,512}?)\$\$|\$(.{1,512}?)\$|\\\((.{1,512}?)\\\)|\\\[(.{1,512}?)\\\]", re.DOTALL)
+_SPAN_TAIL_CHARS = 2048  # math spans are looked for in this much of the end of a response
 _MAX_BOXES = 64  # boxes read from one response
 
 
@@ -165,8 +167,8 @@ def _last_number(text: str) -> str | None:
   last = None
   for last in _LOOSE_NUMBER_RE.finditer(text):
     pass
-  span = None
-  for span in _MATH_SPAN_RE.finditer(text):
+  span, offset = None, max(0, len(text) - _SPAN_TAIL_CHARS)
+  for span in _MATH_SPAN_RE.finditer(text, offset):
     pass
   if span is not None and (last is None or span.end() >= last.end()):
     inner = next(g for g in span.groups() if g is not None).strip()

@@ -187,3 +187,14 @@ def test_the_console_progress_shows_the_timeout_rate(tmp_path, capsys):
   with MetricsWriter(tmp_path, tensorboard=False, progress=True, total_steps=2) as writer:
     writer.write(1, {"reward/mean": 0.5, "reward/verifier_timeouts": 2.0, "reward/verifier_timeout_rate": 0.0625})
   assert "timeouts=6.2%" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("unit", [" ", "- ", "\\(", "\\[", "$ ", "1 ", "1{,}", "\\frac{1}{", "#### ", "1,", "2\\frac{1}{3} ",
+                                  "final answer is "])
+def test_extraction_stays_linear_on_long_repetitive_output(unit):
+  text = unit * (65_536 // len(unit))
+  t0 = time.process_time()
+  for mode in ("auto", "last_number", "gsm8k", "boxed"):
+    extract_answer(text, mode, gold="1, 2")
+  gold_answer(text)
+  assert time.process_time() - t0 < 1.0
