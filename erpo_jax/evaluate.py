@@ -267,8 +267,10 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   step (0 for the base model), and prints the table. Returns the results.
   """
   from erpo_jax import parallel
+  from erpo_jax.data.check import resolve_max_prompt_tokens
   from erpo_jax.model.loading import load_model
 
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   mesh = parallel.make_mesh(cfg.mesh)
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
   model, tokenizer = load_model(cfg.model)

@@ -171,6 +171,7 @@ def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray
 def train(cfg: Config) -> dict[str, float]:
   """Runs (or resumes) a training run; returns the last step's metrics."""
   from erpo_jax.checkpoint import Checkpointer, all_finite, model_fingerprint
+  from erpo_jax.data.check import resolve_max_prompt_tokens
   from erpo_jax.data.pipeline import check_training_data, make_train_iterator
   from erpo_jax.data.static_weights import ensure_reference_cache
   from erpo_jax.metrics import MetricsWriter, truncate_jsonl
@@ -178,6 +179,7 @@ def train(cfg: Config) -> dict[str, float]:
   from erpo_jax.rewards import Verifier
   from erpo_jax.rollout import Sampler
 
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
   run_dir = prepare_run_dir(cfg)
   mesh = parallel.make_mesh(cfg.mesh)
