@@ -9,7 +9,8 @@ import pytest
 
 from erpo_jax.config import Config, DataSection, ModelSection, RewardSection, load_config
 from erpo_jax.data import load_file
-from erpo_jax.data.check import AUTO_CAP, check_data, format_report, resolve_max_prompt_tokens, suggest_max_prompt_tokens
+from erpo_jax.data.check import (AUTO_CAP, check_data, format_report, resolve_max_prompt_tokens,
+                                  suggest_max_prompt_tokens)
 from erpo_jax.rewards import Verifier
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -117,8 +117,8 @@ def format_report(rep: DataReport, cfg) -> str:
     lines.append(f"  skipped {n}: {reason}")
   for row in rep.bad_rows[:3]:
     lines.append(f"    e.g. {row}")
-  template = (f"chat template {'on' if d.chat_template else 'off'}, system prompt {'set' if d.system_prompt else 'none'}"
-              f", suffix {len(d.prompt_suffix)} chars")
+  template = (f"chat template {'on' if d.chat_template else 'off'}, "
+              f"system prompt {'set' if d.system_prompt else 'none'}, suffix {len(d.prompt_suffix)} chars")
   q = ", ".join(f"p{int(k * 100)} {v}" for k, v in rep.quantiles.items())
   lines.append(f"prompt tokens ({template}): min {int(rep.lengths.min())}, {q}, max {int(rep.lengths.max())}")
   lines.append(f"golds that verify against themselves (reward.extract={cfg.reward.extract}, written as "
