@@ -1,4 +1,4 @@
-"""Command line: erpo-jax train | eval | weights | sample | export | bench | experiment | analyze."""
+"""Command line: erpo-jax train | eval | weights | sample | export | bench | data check | experiment | analyze."""
 
 from __future__ import annotations
 
@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--checkpoint", default=None, help="a checkpoint folder or 'latest' of run.dir")
   p.add_argument("--out", required=True, help="output folder")
 
+  p = sub.add_parser("data", help="data check: what a data set holds and the prompt length it needs")
+  actions = p.add_subparsers(dest="action", required=True)
+  _add_common(actions.add_parser("check", help="rows read and skipped (with reasons), prompt-length quantiles in "
+                                               "tokens, golds that verify against themselves, a suggested "
+                                               "data.max_prompt_tokens"))
+
   p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
   p.add_argument("what", nargs="?", default="all", choices=["step", "rollout", "rl", "all"])
   _add_common(p)
@@ -72,11 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
   # Each command imports what it needs here: `erpo-jax --help` and config errors stay fast, without JAX.
-  from erpo_jax.parallel.mesh import multihost
+  from erpo_jax.parallel import multihost
   from erpo_jax.config_io import load_config
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
   cfg = load_config(args.config, args.overrides)
+  if args.command == "data":
+    from erpo_jax.data.check import run_check
+    run_check(cfg)
+    return 0
+  if args.command in ("train", "eval", "weights", "sample", "bench") and cfg.data.max_prompt_tokens == 0:
+    from erpo_jax.data.check import resolve_max_prompt_tokens
+    cfg = resolve_max_prompt_tokens(cfg)
   multihost.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
   if args.command == "train":

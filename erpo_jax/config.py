@@ -73,8 +73,10 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-  # "builtin:arithmetic" or a .jsonl / .parquet file.
+  # "builtin:arithmetic", a .jsonl / .parquet file, or a preset read from data.preset_dir:
+  # preset:math_l3to5 (training), preset:math500|aime24|aime25|amc|minerva|olympiadbench (eval.sets).
   source: str = "builtin:arithmetic"
+  preset_dir: str = "data"  # where presets' files are (erpo_jax.data.sources.PRESETS names each one)
   # Row shape: auto-detected, or one of verl, trl, gsm8k, math, columns.
   format: Literal["auto", "verl", "trl", "gsm8k", "math", "columns"] = "auto"
   prompt_column: str = ""  # with format=columns (or to override a shape's column)
@@ -88,7 +90,9 @@ class DataSection:
   system_prompt: str = ""  # "" = none
   prompt_suffix: str = ""  # appended to every question (the paper's suffix is in SPEC.md)
   chat_template: bool = True  # wrap prompts in the tokenizer's chat template
-  max_prompt_tokens: int = 256
+  # Prompt length limit (tokens); 0 = auto: the longest prompt of the training data and eval sets,
+  # rounded up to a multiple of 64, at most 4096 (`erpo-jax data check` shows it).
+  max_prompt_tokens: int = 0
   on_overlong: Literal["truncate", "skip", "error"] = "skip"
   on_bad_row: Literal["error", "skip"] = "error"
   num_workers: int = 0  # Grain worker processes (0 = in the main process)
@@ -96,7 +100,8 @@ class DataSection:
   def __post_init__(self):
     _check(self.size >= 1, "data.size", "a positive integer", self.size)
     _check(self.batch_size >= 1, "data.batch_size", "a positive integer", self.batch_size)
-    _check(self.max_prompt_tokens >= 2, "data.max_prompt_tokens", "an integer >= 2", self.max_prompt_tokens)
+    _check(self.max_prompt_tokens == 0 or self.max_prompt_tokens >= 2, "data.max_prompt_tokens",
+           "0 (auto) or an integer >= 2", self.max_prompt_tokens)
     _check(all(1 <= l <= 5 for l in self.levels) and len(self.levels) > 0, "data.levels",
            "a non-empty list of levels in 1..5", self.levels)
     _check(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
@@ -104,9 +109,12 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-  # How the final answer is found: last \boxed{}, GSM8K's "#### n", the last number, or auto.
+  # How the final answer is found (erpo_jax.verify.extract_answer): "boxed" is strict, the paper's
+  # setting: the last \boxed{} only. "gsm8k": the answer after "####". "last_number": the last
+  # standalone number or inline-math span, never digits inside a word. "auto" is the lenient
+  # fallback: boxed, else "####", else as last_number. Boxes are joined where the gold lists several.
   extract: Literal["auto", "boxed", "gsm8k", "last_number"] = "auto"
-  timeout_s: float = 2.0  # per-answer verification limit, seconds
+  timeout_s: float = 2.0  # per-answer verification limit, seconds of the verifier worker's CPU time
   workers: int = 2  # verifier worker processes
   correct: float = 1.0  # reward of a correct answer
   wrong: float = 0.0  # reward of a wrong or missing answer

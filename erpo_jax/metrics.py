@@ -59,7 +59,7 @@ SPEC_SCALARS = (
 
 # Progress-bar fields: (metric, short label, format).
 _PROGRESS = (("reward/mean", "reward", "{:.3f}"), ("kl/query", "qkl", "{:.2e}"),
-             ("perf/tokens_per_s", "tok/s", "{:.0f}"))
+             ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("reward/verifier_timeout_rate", "timeouts", "{:.1%}"))
 
 
 class MetricsWriter:

@@ -1,6 +1,12 @@
 """Problem sources (JSONL, parquet, builtin:arithmetic), prompt templates and the Grain pipeline."""
 
-from erpo_jax.data.prompts import PAPER_PROMPT_SUFFIX, EncodedPrompt, encode_prompt, messages_of, prompt_text
+from erpo_jax.data.prompts import (
+    PAPER_PROMPT_SUFFIX,
+    EncodedPrompt,
+    encode_prompt,
+    messages_of,
+    prompt_text,
+)
 from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
 from erpo_jax.data.sources import RecordSource, load_file, open_source
 

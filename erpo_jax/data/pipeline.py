@@ -22,10 +22,19 @@ from typing import Any
 import grain
 import numpy as np
 
-from erpo_jax.data.prompts import fit_mask, encode_prompt, fit_length, overlong_error, unlocated_question_error
-from erpo_jax.data.arithmetic import generate
-from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
-from erpo_jax.data.sources import RecordSource, load_file, open_source
+from erpo_jax.data.check import resolve_max_prompt_tokens
+from erpo_jax.data.prompts import (
+  encode_prompt,
+  fit_length,
+  fit_mask,
+  overlong_error,
+  unlocated_question_error,
+)
+from erpo_jax.data.records import Record
+from erpo_jax.data.sources import (
+  RecordSource,
+  train_source,
+)
 from erpo_jax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -91,7 +100,9 @@ class _Encode:
 
 def _ensure_absl_flags() -> None:
   """Grain's worker processes read absl flags; parse them (program name only) if nobody has."""
-  from absl import flags  # absl comes with grain; imported only where its flags are needed
+  from absl import (
+    flags,  # absl comes with grain; imported only where its flags are needed
+  )
   if not flags.FLAGS.is_parsed():
     flags.FLAGS(sys.argv[:1] or ["erpo-jax"])
 
@@ -114,15 +125,11 @@ def _process(process_index: int | None, process_count: int | None) -> tuple[int,
   return process_index, process_count
 
 
-def train_source(cfg) -> RecordSource:
-  """The whole training source (all processes), in dataset order: index i is PromptBatch.index i."""
-  return open_source(cfg.data.source, cfg.data)
-
-
 class TrainIterator:
   """Endless iterator of PromptBatch for one process; get_state/set_state resume it exactly."""
 
   def __init__(self, cfg, tokenizer, process_index: int, process_count: int, source: RecordSource):
+    cfg = _resolved(cfg, tokenizer)
     data = cfg.data
     if data.batch_size % process_count:
       raise ConfigError(f"data.batch_size: expected a multiple of the number of processes ({process_count}), "
@@ -219,6 +226,13 @@ def _int_keys(state: Any) -> Any:
   return state
 
 
+def _resolved(cfg, tokenizer):
+  """cfg with data.max_prompt_tokens = 0 (auto) resolved (erpo_jax.data.check); the commands resolve it first."""
+  if cfg.data.max_prompt_tokens:
+    return cfg
+  return resolve_max_prompt_tokens(cfg, tokenizer)
+
+
 def make_train_iterator(cfg, tokenizer, process_index: int | None = None,
                         process_count: int | None = None) -> TrainIterator:
   """The training iterator of this process (defaults: jax.process_index() / jax.process_count())."""
@@ -232,6 +246,7 @@ def training_prompts(cfg, tokenizer) -> list[tuple[str, list[int] | None]]:
   Tokens are those training feeds the model (truncated under on_overlong=truncate);
   None marks a prompt that training skips (on_overlong=skip); on_overlong=error raises.
   """
+  cfg = _resolved(cfg, tokenizer)
   out = []
   for record in train_source(cfg):
     enc = encode_prompt(record, tokenizer, cfg.data)
@@ -259,6 +274,7 @@ def dataset_prompts(cfg, tokenizer) -> list[tuple[list[int], list[bool] | None]]
   left-truncated (fit_length) instead of None, so every position has tokens.
   erpo.query_span=question needs every question located (DataError otherwise).
   """
+  cfg = _resolved(cfg, tokenizer)
   out = []
   for record in train_source(cfg):
     enc = encode_prompt(record, tokenizer, cfg.data)
@@ -269,26 +285,3 @@ def dataset_prompts(cfg, tokenizer) -> list[tuple[list[int], list[bool] | None]]
       mask = fit_mask(enc.tokens, mask, cfg.data.max_prompt_tokens, tokenizer.bos_id)
     out.append((fit_length(enc.tokens, cfg.data.max_prompt_tokens, tokenizer.bos_id), mask))
   return out
-
-
-def make_eval_source(cfg, set_name: str) -> RecordSource:
-  """Records of one eval.sets entry, at most eval.max_problems (0 = all).
-
-  "builtin:arithmetic" is the held-out split (eval.builtin_seed, eval.builtin_size, the
-  levels of data.levels) with every training problem text excluded. A file's shape is
-  detected from its columns (with data.format=columns, data's column names are used).
-  """
-  if set_name == BUILTIN_ARITHMETIC:
-    exclude: frozenset[str] = frozenset()
-    if cfg.data.source == BUILTIN_ARITHMETIC:
-      exclude = frozenset(r.prompt for r in generate(cfg.data.size, cfg.data.levels, cfg.data.builtin_seed))
-    records = generate(cfg.eval.builtin_size, cfg.data.levels, cfg.eval.builtin_seed, exclude=exclude)
-    source = RecordSource(f"{BUILTIN_ARITHMETIC}(seed={cfg.eval.builtin_seed})", records)
-  else:
-    columns = cfg.data.format == "columns"
-    source = load_file(set_name, format="columns" if columns else "auto",
-                       prompt_column=cfg.data.prompt_column if columns else "",
-                       answer_column=cfg.data.answer_column if columns else "", on_bad_row=cfg.data.on_bad_row)
-  if cfg.eval.max_problems and len(source) > cfg.eval.max_problems:
-    source = RecordSource(source.name, source.records[:cfg.eval.max_problems], source.skipped, source.bad_rows)
-  return source

@@ -2,7 +2,7 @@
 
     verl   : prompt = [{role, content}, ...], reward_model = {ground_truth}
     trl    : prompt (text or chat list), solution (the last \\boxed{} if it has one, else all of it)
-    gsm8k  : question, answer = "...#### 42"            -> "42"
+    gsm8k  : question, answer = "...#### 1,042"         -> "1042" (lists and LaTeX kept as written)
     math   : problem, solution = "...\\boxed{\\frac12}"  -> "\\frac12" (an `answer` column wins), level "Level 3" -> 3
     columns: data.prompt_column, data.answer_column
 """
@@ -35,7 +35,7 @@ def detect_shape(columns, prompt_column: str = "", answer_column: str = "") -> s
   cols = set(columns)
   if "reward_model" in cols and "prompt" in cols:
     return "verl"
-  if "problem" in cols and "solution" in cols:
+  if "problem" in cols and ("solution" in cols or "answer" in cols):
     return "math"
   if "question" in cols and "answer" in cols:
     return "gsm8k"
@@ -94,6 +94,15 @@ def _level(v: Any) -> int | None:
   return None
 
 
+def _gsm8k_gold(answer: str) -> str:
+  """GSM8K's own reading of "#### 1,000" (separators dropped) where the thousands groups are unambiguous.
+
+  "14{,}916" -> "14916"; a list such as "32, 349" or a LaTeX answer is kept as written.
+  """
+  plain = re.sub(r"(?<=\d)(?:,|\{,\})(?=\d{3}(?!\d))", "", answer)
+  return plain if re.fullmatch(r"-?\$?\d+(?:\.\d+)?", plain) else answer
+
+
 def parse_row(row: dict, shape: str, prompt_column: str = "", answer_column: str = ""
               ) -> tuple[str | tuple[tuple[str, str], ...], str, int | None]:
   """(prompt, ground-truth answer, level) of one row; raises RowError naming the bad field."""
@@ -126,7 +135,7 @@ def _parse(row: dict, shape: str, pcol: str, acol: str, answer_as_is: bool):
     m = re.search(r"####\s*(.+?)\s*$", text)
     if not m:
       raise RowError(acol, "expected a GSM8K solution ending in '#### <answer>'")
-    return prompt, m.group(1).replace(",", ""), level
+    return prompt, _gsm8k_gold(m.group(1)), level
   if shape == "math" and "answer" in row and row["answer"] is not None:
     return prompt, _answer(row, "answer"), level
   text = _answer(row, acol)

@@ -1,4 +1,4 @@
-"""Random-access problem sources: JSONL and parquet files in common shapes, and builtin:arithmetic.
+"""Random-access problem sources: JSONL and parquet files in common shapes, presets, and builtin:arithmetic.
 
 A source is a list-like of `Record`s (len, [i]). A malformed row raises DataError
 naming `file:line` (JSONL) or `file:row i` (parquet, 0-based) and the field; with
@@ -8,8 +8,11 @@ messages are kept in `source.bad_rows`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import pathlib
+import re
 from typing import Iterator
 
 from erpo_jax.data.arithmetic import generate
@@ -23,11 +26,13 @@ _KEEP_BAD_ROWS = 10  # messages kept in source.bad_rows
 class RecordSource:
   """A list of Records held in memory, with the count of skipped malformed rows."""
 
-  def __init__(self, name: str, records: list[Record], skipped: int = 0, bad_rows: tuple[str, ...] = ()):
+  def __init__(self, name: str, records: list[Record], skipped: int = 0, bad_rows: tuple[str, ...] = (),
+               skip_reasons: dict[str, int] | None = None):
     self.name = name
     self.records = records
     self.skipped = skipped  # malformed rows skipped (on_bad_row=skip)
     self.bad_rows = bad_rows  # the first few of their messages
+    self.skip_reasons = dict(skip_reasons or {})  # reason -> number of rows skipped for it
 
   def __len__(self) -> int:
     return len(self.records)
@@ -110,13 +115,18 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
     rows, columns = _parquet_rows(p), _parquet_columns(p)
   else:
     raise PathError(f"data file '{p}': expected a .jsonl or .parquet file")
+  return _read_rows(p, rows, columns, format, prompt_column, answer_column, on_bad_row)
 
+
+def _read_rows(p: pathlib.Path, rows, columns, format: str, prompt_column: str,  # pylint: disable=redefined-builtin
+               answer_column: str, on_bad_row: str) -> RecordSource:
+  """Records of (where, row, error) triples, malformed rows raised or skipped per on_bad_row."""
   shape = None if format == "auto" else format
   if shape is None and columns is not None:
     shape = _detect_or_fail(p, columns, prompt_column, answer_column)
   records: list[Record] = []
   seen: dict[str, str] = {}
-  skipped, bad = 0, []
+  skipped, bad, reasons = 0, [], collections.Counter()
   for where, row, error in rows:
     if row is not None and shape is None:
       shape = _detect_or_fail(p, row.keys(), prompt_column, answer_column, where)
@@ -132,6 +142,7 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
       if on_bad_row != "skip":
         raise DataError(f"{where}: {error}")
       skipped += 1
+      reasons[_reason(error)] += 1
       if len(bad) < _KEEP_BAD_ROWS:
         bad.append(f"{where}: {error}")
       continue
@@ -139,7 +150,13 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
     records.append(Record(id=rid, prompt=prompt, answer=answer, source=str(p), level=level))
   if not records:
     raise DataError(f"{p}: no usable rows" + (f" ({skipped} malformed, first: {bad[0]})" if bad else ""))
-  return RecordSource(str(p), records, skipped, tuple(bad))
+  return RecordSource(str(p), records, skipped, tuple(bad), dict(reasons))
+
+
+def _reason(error: str) -> str:
+  """A row error without its row-specific details: "invalid JSON", "field 'answer': missing", ..."""
+  reason = re.sub(r"\s*\(.*$", "", error)
+  return re.sub(r"duplicate id '.*'", "duplicate id", reason)
 
 
 def _detect_or_fail(p, columns, prompt_column, answer_column, where=None) -> str:
@@ -159,9 +176,99 @@ def _row_id(row: dict, where: str, p: pathlib.Path) -> str:
   return f"{p.name}:{where.rsplit(':', 1)[1].replace('row ', 'row')}"
 
 
+PRESET_PREFIX = "preset:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A published data set read from a local file under data.preset_dir; nothing is downloaded."""
+
+  files: tuple[str, ...]  # candidate paths under data.preset_dir, the first that exists is read
+  get: str  # what to download and from where, for the error when none exists
+  levels: tuple[int, ...] = ()  # keep only rows of these levels (MATH's "Level 3" ...)
+  prompt_column: str = ""  # with format=columns
+  answer_column: str = ""
+
+
+def _files(stem: str) -> tuple[str, ...]:
+  return (f"{stem}.jsonl", f"{stem}.parquet")
+
+
+# The paper's training set and its six evaluation sets (SPEC.md, "Paper setup"), in the shapes they are
+# published in. The gold is the `answer` column where there is one, else the solution's last \boxed{}.
+PRESETS = {
+    "math_l3to5": Preset(_files("math_train") + ("MATH/train",), levels=(3, 4, 5), get=(
+        "the MATH training set (7,500 problems; levels 3-5 are kept): the train split of EleutherAI/hendrycks_math "
+        "or qwedsacf/competition_math on Hugging Face as JSONL/parquet (problem, level, type, solution), or the "
+        "MATH/train/ folder of the original release (github.com/hendrycks/math)")),
+    "math500": Preset(_files("math500"), get="MATH-500: test.jsonl of HuggingFaceH4/MATH-500 on Hugging Face"),
+    "aime24": Preset(_files("aime24"), get="AIME 2024: the train split of HuggingFaceH4/aime_2024 on Hugging Face"),
+    "aime25": Preset(_files("aime25"), get="AIME 2025: the test split of math-ai/aime25 on Hugging Face"),
+    "amc": Preset(_files("amc"), get="AMC 2022-2023: the train split of AI-MO/aimo-validation-amc on Hugging Face"),
+    "minerva": Preset(_files("minerva"), prompt_column="question", answer_column="answer",
+                      get="Minerva Math: the test split of math-ai/minervamath on Hugging Face"),
+    "olympiadbench": Preset(_files("olympiadbench"), prompt_column="question", answer_column="answer",
+                            get="OlympiadBench: the test split of math-ai/olympiadbench on Hugging Face (or "
+                                "OlympiadBench's own English math JSON rows with question and final_answer)"),
+}
+
+
+def _json_folder_rows(folder: pathlib.Path) -> Iterator[tuple[str, dict | None, str]]:
+  """(where, row, error) of each *.json file below folder, in path order (MATH's release layout)."""
+  for path in sorted(folder.rglob("*.json")):
+    try:
+      row = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      yield f"{path}:1", None, f"invalid JSON ({e})"
+      continue
+    if not isinstance(row, dict):
+      yield f"{path}:1", None, "expected a JSON object"
+      continue
+    yield f"{path}:1", {"id": path.relative_to(folder).as_posix(), **row}, ""
+
+
+def _final_answer_as_answer(rows):
+  """OlympiadBench's final_answer list ["a", "b"] as answer "a, b" where a row has no answer."""
+  for where, row, error in rows:
+    if row is not None and "answer" not in row and isinstance(row.get("final_answer"), list):
+      row = {**row, "answer": ", ".join(str(a) for a in row["final_answer"])}
+    yield where, row, error
+
+
+def load_preset(spec: str, data) -> RecordSource:
+  """Records of a preset ("preset:math500") from its file under data.preset_dir."""
+  name = spec[len(PRESET_PREFIX):]
+  if name not in PRESETS:
+    raise ConfigError(f"data.source / eval.sets: unknown preset '{spec}'; expected one of "
+                      f"{', '.join(PRESET_PREFIX + n for n in PRESETS)}")
+  preset = PRESETS[name]
+  root = pathlib.Path(data.preset_dir)
+  found = next((root / f for f in preset.files if (root / f).exists()), None)
+  if found is None:
+    raise PathError(f"{spec}: no {' or '.join(str(root / f) for f in preset.files)}: get {preset.get}, and put it "
+                    f"there (data.preset_dir={data.preset_dir}); nothing is downloaded at run time")
+  fmt = "columns" if preset.answer_column else "auto"
+  if found.is_dir():
+    source = _read_rows(found, _json_folder_rows(found), None, "math", "", "", data.on_bad_row)
+  elif fmt == "columns":
+    suffix = found.suffix.lower()
+    rows = _jsonl_rows(found) if suffix in (".jsonl", ".json") else _parquet_rows(found)
+    source = _read_rows(found, _final_answer_as_answer(rows), None, fmt, preset.prompt_column, preset.answer_column,
+                        data.on_bad_row)
+  else:
+    source = load_file(found, on_bad_row=data.on_bad_row)
+  records = source.records
+  if preset.levels:
+    records = [r for r in records if r.level in preset.levels]
+    if not records:
+      raise DataError(f"{found}: no row of level {', '.join(map(str, preset.levels))} (a `level` column such as "
+                      "'Level 3' is expected)")
+  return RecordSource(f"{spec} ({found})", records, source.skipped, source.bad_rows, source.skip_reasons)
+
+
 def open_source(spec: str, data, *, size: int | None = None, seed: int | None = None,
                 exclude: frozenset[str] = frozenset()) -> RecordSource:
-  """The source named by `spec` ("builtin:arithmetic" or a file) with the options of DataSection `data`.
+  """The source named by `spec` ("builtin:arithmetic", "preset:NAME" or a file) with the options of DataSection `data`.
 
   For builtin:arithmetic, size/seed default to data.size/data.builtin_seed; `exclude`
   lists problem texts that must not be generated (the training split, for eval).
@@ -170,7 +277,39 @@ def open_source(spec: str, data, *, size: int | None = None, seed: int | None = 
     n = data.size if size is None else size
     s = data.builtin_seed if seed is None else seed
     return RecordSource(f"{BUILTIN_ARITHMETIC}(seed={s})", generate(n, data.levels, s, exclude=exclude))
+  if spec.startswith(PRESET_PREFIX):
+    return load_preset(spec, data)
   if spec.startswith("builtin:"):
     raise ConfigError(f"data.source: unknown builtin data set '{spec}'; expected {BUILTIN_ARITHMETIC} or a file")
   return load_file(spec, format=data.format, prompt_column=data.prompt_column, answer_column=data.answer_column,
                    on_bad_row=data.on_bad_row)
+
+
+def train_source(cfg) -> RecordSource:
+  """The whole training source (all processes), in dataset order: index i is PromptBatch.index i."""
+  return open_source(cfg.data.source, cfg.data)
+
+
+def make_eval_source(cfg, set_name: str) -> RecordSource:
+  """Records of one eval.sets entry, at most eval.max_problems (0 = all).
+
+  "builtin:arithmetic" is the held-out split (eval.builtin_seed, eval.builtin_size, the
+  levels of data.levels) with every training problem text excluded. A file's shape is
+  detected from its columns (with data.format=columns, data's column names are used).
+  """
+  if set_name.startswith(PRESET_PREFIX):
+    source = open_source(set_name, cfg.data)
+  elif set_name == BUILTIN_ARITHMETIC:
+    exclude: frozenset[str] = frozenset()
+    if cfg.data.source == BUILTIN_ARITHMETIC:
+      exclude = frozenset(r.prompt for r in generate(cfg.data.size, cfg.data.levels, cfg.data.builtin_seed))
+    records = generate(cfg.eval.builtin_size, cfg.data.levels, cfg.eval.builtin_seed, exclude=exclude)
+    source = RecordSource(f"{BUILTIN_ARITHMETIC}(seed={cfg.eval.builtin_seed})", records)
+  else:
+    columns = cfg.data.format == "columns"
+    source = load_file(set_name, format="columns" if columns else "auto",
+                       prompt_column=cfg.data.prompt_column if columns else "",
+                       answer_column=cfg.data.answer_column if columns else "", on_bad_row=cfg.data.on_bad_row)
+  if cfg.eval.max_problems and len(source) > cfg.eval.max_problems:
+    source = RecordSource(source.name, source.records[:cfg.eval.max_problems], source.skipped, source.bad_rows)
+  return source

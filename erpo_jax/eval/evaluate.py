@@ -33,8 +33,9 @@ from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
 
 from erpo_jax.config import Config
-from erpo_jax.data.pipeline import make_eval_source
+from erpo_jax.data.check import resolve_max_prompt_tokens
 from erpo_jax.data.prompts import encode_prompt
+from erpo_jax.data.sources import make_eval_source
 from erpo_jax.errors import ConfigError
 from erpo_jax.eval import passk
 from erpo_jax.eval.passk import MEAN, metric_names, temperature_key
@@ -266,6 +267,7 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   step (0 for the base model), and prints the table. Returns the results.
   """
 
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   mesh = mesh_lib.make_mesh(cfg.mesh)
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
   model, tokenizer = load_model(cfg.model)

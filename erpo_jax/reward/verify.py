@@ -2,7 +2,8 @@
 
 Imports nothing heavy: `python -m erpo_jax.reward.verify` is the verifier worker that
 `erpo_jax.reward.verifier.Verifier` runs in separate processes (math-verify's own
-signal-based timeout is disabled there; the parent enforces the time limit).
+signal-based timeout is disabled there; the worker's CPU-time alarm and the parent
+enforce the time limit).
 No text from a model is ever evaluated as code: numbers are parsed by regular
 expressions and `fractions.Fraction`, everything else goes to math-verify's parser.
 """
@@ -26,9 +27,23 @@ MAX_BRACE_DEPTH = 32  # deeper {...} nesting inside \boxed is refused
 MAX_EXPONENT_DIGITS = 4  # x^{12345} or a power tower x^{a^{b}} is refused
 _BOX_TRIES = 8  # unterminated \boxed occurrences skipped before giving up
 
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
-_NUMBER_RE = re.compile(rf"(?:{_NUMBER})(?:\s*/\s*\d+)?")
-_GSM8K_RE = re.compile(rf"\s*\$?\s*({_NUMBER})")
+# A number as models and data sets write it: 1,234 / 1 234 / 14{,}916 / 1\!000 (unambiguous thousands groups only,
+# never "32, 349"), decimals, \frac{a}{b} / \dfrac{a}{b} / \frac12, mixed numbers 2\frac{1}{3}, a/b.
+_INT_PART = r"\d{1,3}(?:(?:,| | ?\{ ?, ?\} ?|\\!|\\,)\d{3})+(?!\d)|\d+"
+_FRAC_TOKEN = r"\\[dt]?frac(?:\{ ?-?\d+ ?\}\{ ?-?\d+ ?\}|\d\d)"
+# Whitespace inside a number is at most one space at each place, so no pattern backtracks over a long run.
+_LATEX_NUMBER = rf"(?:- ?)?(?:(?:\d+ ?)?{_FRAC_TOKEN}|(?:{_INT_PART})(?:\.\d+)?(?: ?/ ?\d+)?|\.\d+)"
+# Decorations after a number that do not change it: percent, degrees, a unit word in \text{}.
+_NUMBER_SUFFIX = (r"(?: ?(?:\\%|%|\^ ?\{?\\circ\}?|°|\\(?:text|mbox|mathrm)\{ ?[A-Za-z][A-Za-z .]{0,30}\}"
+                  r"(?:\^\{?[23]\}?)?))?")
+# The lenient fallback's number: never digits that follow a letter ("AZYUK2A", "x2") or a power sign;
+# a unit glued after it ("12cm") is allowed.
+_LOOSE_NUMBER_RE = re.compile(rf"(?<![A-Za-z0-9_^.\\])(?:{_LATEX_NUMBER}){_NUMBER_SUFFIX}(?![0-9_])")
+_FINAL_ANSWER_RE = re.compile(r"final answer is ?:? ?", re.IGNORECASE)
+_GSM8K_NUMBER_RE = re.compile(rf"(?:\\\$|\$)? ?({_LATEX_NUMBER}{_NUMBER_SUFFIX})")
+_MATH_SPAN_RE = re.compile(r"\$\$(.{1,512}?)\$\$|\$(.{1,512}?)\$|\\\((.{1,512}?)\\\)|\\\[(.{1,512}?)\\\]", re.DOTALL)
+_SPAN_TAIL_CHARS = 2048  # math spans are looked for in this much of the end of a response
+_MAX_BOXES = 64  # boxes read from one response
 
 
 def _match_braces(text: str, start: int) -> str | None:
@@ -71,19 +86,96 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
+def all_boxed(text: str) -> list[str]:
+  """Contents of every complete `\\boxed{...}` / `\\fbox{...}` in order (at most _MAX_BOXES, the last ones)."""
+  found = []
+  for m in re.finditer(r"\\(?:boxed|fbox)", text):
+    j = m.end()
+    while j < len(text) and text[j] == " ":
+      j += 1
+    if j < len(text) and text[j] == "{":
+      inner = _match_braces(text, j)
+      if inner is not None:
+        found.append(inner)
+    elif m.group(0) == "\\boxed" and j > m.end():
+      t = re.match(r"[^\s$]{1,64}", text[j:j + 65])
+      if t:
+        found.append(t.group(0))
+  return found[-_MAX_BOXES:]
+
+
+def split_top_level(s: str) -> list[str]:
+  """Parts of s split at commas and semicolons outside (), [], {} and \\{ \\}; thousands groups kept."""
+  s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", "", s)
+  if re.fullmatch(r"\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?\s*", s):
+    return [s]
+  parts, depth, start = [], 0, 0
+  for j, c in enumerate(s):
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      depth -= 1
+    elif c in ",;" and depth == 0:
+      parts.append(s[start:j])
+      start = j + 1
+  parts.append(s[start:])
+  return [p.strip() for p in parts if p.strip()]
+
+
+def has_several_elements(gold: str) -> bool:
+  """Whether a ground truth lists several answers ("1, -2", "6 \\text{ and } 8"), not one number."""
+  g = gold.strip().strip("$").strip()
+  for left, right in (("\\{", "\\}"), ("{", "}")):  # a set: its elements
+    if g.startswith(left) and g.endswith(right):
+      g = g[len(left):-len(right)]
+      break
+  return len(split_top_level(g)) > 1 or bool(re.search(r"\\text\{\s*(?:and|or)\s*\}", g))
+
+
 def _gsm8k(text: str) -> str | None:
+  """The answer after the last "####": a number (LaTeX spellings too) or, if none leads the line, the line."""
   k = text.rfind("####")
   if k < 0:
     return None
-  m = _GSM8K_RE.match(text, k + 4, k + 4 + MAX_ANSWER_CHARS)
-  return m.group(1).replace(",", "") if m else None
+  line = text[k + 4:k + 4 + MAX_ANSWER_CHARS].split("\n", 1)[0].strip()
+  m = _GSM8K_NUMBER_RE.match(line)
+  if m:
+    rest = line[m.end():].strip()
+    if not rest or re.fullmatch(r"[.!]|[A-Za-z][A-Za-z .]*", rest):  # "72", "72.", "72 apples"
+      return m.group(1)
+  line = line.rstrip(".").strip()
+  return line or None
+
+
+def _final_answer(text: str) -> tuple[int, str] | None:
+  """(position, answer) after the last "final answer is" (Minerva's "Final Answer: The final answer is $X$")."""
+  last = None
+  for last in _FINAL_ANSWER_RE.finditer(text):
+    pass
+  if last is None:
+    return None
+  rest = text[last.end():last.end() + MAX_ANSWER_CHARS]
+  span = _MATH_SPAN_RE.match(rest)
+  if span:
+    inner = next(g for g in span.groups() if g is not None).strip()
+    return (last.start(), inner) if inner else None
+  m = _GSM8K_NUMBER_RE.match(rest)
+  return (last.start(), m.group(1)) if m else None
 
 
 def _last_number(text: str) -> str | None:
+  """The last standalone number, or the last $...$ / \\(...\\) / \\[...\\] span if it ends later."""
   last = None
-  for last in _NUMBER_RE.finditer(text):
+  for last in _LOOSE_NUMBER_RE.finditer(text):
     pass
-  return re.sub(r"\s+", "", last.group(0)) if last else None
+  span, offset = None, max(0, len(text) - _SPAN_TAIL_CHARS)
+  for span in _MATH_SPAN_RE.finditer(text, offset):
+    pass
+  if span is not None and (last is None or span.end() >= last.end()):
+    inner = next(g for g in span.groups() if g is not None).strip()
+    if inner and len(inner) <= MAX_ANSWER_CHARS:
+      return inner
+  return last.group(0).strip() if last else None
 
 
 def is_pathological(answer: str) -> bool:
@@ -121,27 +213,59 @@ def is_pathological(answer: str) -> bool:
   return bool(re.search(rf"\d{{{MAX_EXPONENT_DIGITS + 1},}}\s*!", s))
 
 
-def extract_answer(text: str, mode: str = "auto") -> str | None:
+def gold_answer(text: str) -> str:
+  """The answer a reference solution or ground-truth string states.
+
+  Its boxed answers (several distinct ones joined: "\\boxed{1} and \\boxed{-2}" -> "1, -2"),
+  else the answer after "####", else the text without its math delimiters ("$[0,1)$" -> "[0,1)").
+  """
+  boxes = list(dict.fromkeys(b.strip() for b in all_boxed(text) if b.strip()))
+  if boxes:
+    return ", ".join(boxes)
+  if "####" in text:
+    found = _gsm8k(text)
+    if found:
+      return found.strip()
+  s = text.strip()
+  for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+    if s.startswith(left) and s.endswith(right) and len(s) > len(left) + len(right):
+      inner = s[len(left):-len(right)]
+      if left != "$" or "$" not in inner:
+        return inner.strip()
+  return s
+
+
+def extract_answer(text: str, mode: str = "auto", gold: str | None = None) -> str | None:
   """The final answer of a response, or None when there is none (or it is refused).
 
-  mode: "boxed" (last \\boxed{}/\\fbox{}), "gsm8k" ("#### n"), "last_number", or "auto"
-  (boxed if present, else "####", else the last number).
+  mode "boxed" (strict, the paper's setting): the last \\boxed{}/\\fbox{} only.
+  "gsm8k": the number (or line) after the last "####".
+  "last_number": the last standalone number, or the last inline-math span if it ends later;
+  digits inside a word ("AZYUK2A", "x2") are never a number.
+  "auto" (lenient): boxed if present (an unboxed "final answer is X" after the last box wins),
+  else "####", else as last_number.
+  When `gold` lists several answers ("1, -2") and the response boxes several distinct ones
+  (`\\boxed{-2} and \\boxed{1}`), all its boxes are joined, as math-verify does: "-2, 1". Boxing
+  extra candidates does not pay: the joined set must equal the gold's.
   """
   text = text[-MAX_RESPONSE_CHARS:]
-  if mode == "boxed":
-    found = last_boxed(text)
-  elif mode == "gsm8k":
-    found = _gsm8k(text)
-  elif mode == "last_number":
-    found = _last_number(text)
-  elif mode == "auto":
-    found = last_boxed(text)
-    if found is None:
-      found = _gsm8k(text)
-    if found is None:
-      found = _last_number(text)
-  else:
+  if mode not in ("boxed", "gsm8k", "last_number", "auto"):
     raise ValueError(f"unknown extraction mode {mode!r}")
+  found = None
+  if mode in ("boxed", "auto"):
+    found = last_boxed(text)
+    if found is not None and gold is not None and has_several_elements(gold):
+      boxes = list(dict.fromkeys(b.strip() for b in all_boxed(text) if b.strip()))
+      if len(boxes) > 1:
+        found = ", ".join(boxes)
+  if mode == "auto":
+    final = _final_answer(text)
+    if final is not None and (found is None or final[0] > max(text.rfind("\\boxed"), text.rfind("\\fbox"))):
+      found = final[1]
+  if found is None and mode in ("gsm8k", "auto"):
+    found = _gsm8k(text)
+  if found is None and mode in ("last_number", "auto"):
+    found = _last_number(text)
   if found is None:
     return None
   found = found.strip()
@@ -159,6 +283,7 @@ _INT = re.compile(r"^-?\d+$")
 _DEC = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
 _SLASH = re.compile(r"^(-?\d+)/(-?\d+)$")
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$")
+_MIXED = re.compile(r"^(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")  # 2\frac{1}{3} = 7/3
 
 
 def normalize(s: str) -> str:
@@ -168,7 +293,8 @@ def normalize(s: str) -> str:
   trailing unit `\\text{cm}`, thousands separators ("1,000", "1{,}000" -> "1000") and
   whitespace; \\dfrac/\\tfrac -> \\frac and \\frac12 -> \\frac{1}{2}.
   """
-  s = s.strip().replace("\\$", "").replace("$", "").replace("{,}", ",")
+  s = s.strip().replace("\\$", "").replace("$", "")
+  s = re.sub(r"(?<=\d)\s*\{\s*,\s*\}\s*(?=\d{3})", ",", s).replace("{,}", ",")
   s = s.replace("\\left", "").replace("\\right", "")
   s = _SPACING.sub(" ", s)
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
@@ -180,15 +306,17 @@ def normalize(s: str) -> str:
   m = _TEXT_ONLY.match(s)
   if m:
     s = m.group(1)
+  # Thousands groups only where unambiguous: "32,349" is a number, "32, 349" two.
+  thousands = re.fullmatch(r"-?\s*\d{1,3}(?:,\d{3})+(?:\.\d+)?", s)
   s = re.sub(r"\s+", "", s)
   s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-  if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+  if thousands:
     s = s.replace(",", "")
   return s
 
 
 def parse_number(s: str) -> tuple[fractions.Fraction, bool] | None:
-  """(value, is_percent) of a normalised plain number: 12, -0.5, 3/4, \\frac{3}{4}, 50\\%."""
+  """(value, is_percent) of a normalised plain number: 12, -0.5, 3/4, \\frac{3}{4}, 2\\frac{1}{3}, 50\\%."""
   pct = s.endswith("\\%") or s.endswith("%")
   if pct:
     s = s[:-2] if s.endswith("\\%") else s[:-1]
@@ -203,6 +331,10 @@ def parse_number(s: str) -> tuple[fractions.Fraction, bool] | None:
     m = _FRAC.match(s)
     if m and int(m.group(3)) != 0:
       v = fractions.Fraction(int(m.group(2)), int(m.group(3)))
+      return (-v if m.group(1) else v), pct
+    m = _MIXED.match(s)
+    if m and int(m.group(4)) != 0:
+      v = int(m.group(2)) + fractions.Fraction(int(m.group(3)), int(m.group(4)))
       return (-v if m.group(1) else v), pct
   except (ValueError, ZeroDivisionError):
     return None
@@ -225,6 +357,8 @@ def quick_equivalent(pred: str, truth: str) -> bool | None:
   if vp == vt or (pt and not pp and vp == vt / 100) or (pp and not pt and vp / 100 == vt):
     return True
   if vp.denominator == 1 and vt.denominator == 1 and not (pp or pt):
+    return False
+  if (_MIXED.match(p) or _MIXED.match(t)) and not (pp or pt):  # exact values on both sides
     return False
   return None
 
@@ -259,15 +393,34 @@ def is_equivalent(pred: str, truth: str) -> bool:
 
 
 class _SoftTimeout(BaseException):
-  """Raised by SIGALRM inside the worker; a BaseException so math-verify cannot swallow it."""
+  """Raised by SIGPROF inside the worker; a BaseException so math-verify cannot swallow it."""
 
 
 def _on_alarm(signum, frame):
   raise _SoftTimeout()
 
 
+# Verified once before a worker reports ready, so that the lazy imports and caches of sympy's
+# expansion, simplification, set, interval, matrix and trigonometry code are not paid (in CPU
+# time, against the budget) by the first real answer that needs them.
+WARMUP_PAIRS = (
+    ("1", "1"),
+    ("(x+1)(x+2)(x+3)", "x^3+6x^2+11x+6"),
+    ("(a+b)(a-b)", "(b+a)(a-b)"),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"),
+    ("\\{1, 2\\}", "\\{2, 1\\}"),
+    ("(-\\infty, 3] \\cup (4, 5)", "(-\\infty,3]\\cup(4,5)"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+    ("\\sin^2 x + \\cos^2 x", "1"),
+    ("x = 3", "3"),
+    ("-2, 1", "1, -2"),
+    ("2\\pi", "6.2832"),
+    ("\\log_2 8", "3"),
+)
+
+
 def _fault(pred: str) -> None:
-  """Fault injection for tests: ERPO_JAX_VERIFY_FAULT='crash:<pred>' or 'hang:<pred>'."""
+  """Fault injection for tests: ERPO_JAX_VERIFY_FAULT='crash:<pred>', 'hang:<pred>' or 'spin:<pred>'."""
   spec = os.environ.get("ERPO_JAX_VERIFY_FAULT", "")
   kind, _, trigger = spec.partition(":")
   if not spec or pred != trigger:
@@ -275,32 +428,42 @@ def _fault(pred: str) -> None:
   if kind == "crash":
     os._exit(13)
   if kind == "hang":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGPROF})
     while True:
       time.sleep(3600)
+  if kind == "spin":  # burns CPU with its alarm blocked
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGPROF})
+    while True:
+      pass
 
 
 def worker_main() -> None:
   """Reads {"id", "pred", "truth", "soft_s"} JSON lines on stdin, answers {"id", "ok", "timeout"}.
 
-  The protocol uses a private copy of stdout; anything a library prints goes to stderr.
+  soft_s is a budget of this process's CPU time (ITIMER_PROF), not of wall time: a verdict
+  does not depend on how busy the machine is. The protocol uses a private copy of stdout;
+  anything a library prints goes to stderr.
   """
   out = os.fdopen(os.dup(1), "w", buffering=1)
   os.dup2(2, 1)
   logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-  math_verify_equivalent("1", "1")  # warm the parser before reporting ready
-  signal.signal(signal.SIGALRM, _on_alarm)
+  for pred, truth in WARMUP_PAIRS:  # warm the parser and sympy before reporting ready
+    try:
+      math_verify_equivalent(pred, truth)
+    except Exception:  # pylint: disable=broad-except
+      pass
+  signal.signal(signal.SIGPROF, _on_alarm)
   out.write('{"ready": true}\n')
   for line in sys.stdin:
     req = json.loads(line)
     _fault(req["pred"])
     ok, timed_out = False, False
     try:
-      signal.setitimer(signal.ITIMER_REAL, req["soft_s"])
+      signal.setitimer(signal.ITIMER_PROF, req["soft_s"])
       try:
         ok = math_verify_equivalent(req["pred"], req["truth"])
       finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
     except _SoftTimeout:
       timed_out = True
     except Exception:  # pylint: disable=broad-except

@@ -108,5 +108,6 @@ def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray
       "response/truncated": float(truncated.mean()),
       "perf/tokens_per_s": float(prompt_len.sum() + response_len.sum()) / seconds,
       "reward/verifier_timeouts": float(timeouts),
+      "reward/verifier_timeout_rate": float(timeouts) / max(1, len(rewards)),
       "reward/verifier_crashes": float(crashes),
   }

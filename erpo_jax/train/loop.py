@@ -22,6 +22,7 @@ from flax import nnx
 
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
+from erpo_jax.data.check import resolve_max_prompt_tokens
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
 from erpo_jax.errors import ConfigError, NonFiniteError, PathError
@@ -93,6 +94,7 @@ class Hooks:
 
 def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
   """Runs (or resumes) a training run; returns the last step's metrics."""
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
 
   # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
   run_dir = prepare_run_dir(cfg)

@@ -75,7 +75,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     N, S = tokens.shape
     layout = logprobs.choose_layout(
-        N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens,
+        N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens or S,
         response_bucket=cfg.rollout.max_new_tokens, capacity=capacity, shared=cfg.model.shared_prefix)
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
                               response_len_N=response_mask.sum(axis=1), temperature=temperature,

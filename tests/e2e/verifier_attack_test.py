@@ -51,17 +51,23 @@ MEGABYTE_RIGHT = ("lorem ipsum " * 90_000 + "\\boxed{42}", "42")  # 1 MB, the an
 
 @pytest.fixture(scope="module")
 def verifier():
+  t0 = time.perf_counter()
   with Verifier(RewardSection(workers=2, timeout_s=LIMIT_S)) as v:
+    v.startup_s = time.perf_counter() - t0  # starting and warming the workers
     yield v
 
 
 def _warm(v: Verifier) -> float:
-  """Makes sure every worker is up (a replaced one starts lazily); returns the seconds that took."""
-  t0 = time.perf_counter()
-  n = v.cfg.workers
-  result = v.score(["\\boxed{(x+1)^2}"] * n, ["x^2+2x+1"] * n)
-  assert result.correct.all()
-  return time.perf_counter() - t0
+  """Waits until every worker is up (a replaced one starts in the background); returns the seconds that took."""
+  return v.warm()
+
+
+def _slowdown() -> float:
+  """Wall time over CPU time of a short busy loop here: how much a CPU-time limit stretches in wall time now."""
+  t0, c0 = time.perf_counter(), time.process_time()
+  while time.process_time() - c0 < 0.2:
+    pass
+  return max(1.0, (time.perf_counter() - t0) / (time.process_time() - c0))
 
 
 @pytest.mark.parametrize("name", list(SCREENED))
@@ -78,9 +84,12 @@ def test_screened_attack_scores_zero_in_a_fraction_of_the_limit(verifier, name):
 def test_cas_hang_scores_zero_within_the_per_answer_limit(verifier, name):
   _warm(verifier)
   response, truth = CAS_HANGS[name]
+  slowdown = _slowdown()
   t0 = time.perf_counter()
   result = verifier.score([response], [truth])
-  assert time.perf_counter() - t0 < LIMIT_S + SLACK_S
+  elapsed = time.perf_counter() - t0
+  # The limit is the worker's CPU time: on a busy machine its wall time stretches by the slowdown.
+  assert elapsed < 1.5 * slowdown * LIMIT_S + SLACK_S, (elapsed, slowdown)
   assert result.rewards.tolist() == [0.0] and result.timeouts == 1 and result.crashes == 0
 
 
@@ -97,7 +106,8 @@ def test_realistic_batch_mixing_attacks_and_answers_scores_every_row_in_bounded_
               + [1.0])
   order = np.random.default_rng(0).permutation(len(rows))  # attacks spread through the batch
   responses, truths = zip(*[rows[i] for i in order])
-  startup_s = _warm(verifier)
+  _warm(verifier)
+  startup_s, slowdown = verifier.startup_s, _slowdown()
   caplog.set_level(logging.WARNING, logger="erpo_jax.reward.verifier")
   t0 = time.perf_counter()
   result = verifier.score(list(responses), list(truths))
@@ -105,7 +115,7 @@ def test_realistic_batch_mixing_attacks_and_answers_scores_every_row_in_bounded_
   np.testing.assert_array_equal(result.rewards, np.asarray(expected, np.float32)[order])
   assert result.timeouts == len(CAS_HANGS) and result.crashes == 0
   # At worst the hangs queue on one worker, each followed by starting its replacement.
-  assert elapsed < len(CAS_HANGS) * (LIMIT_S + startup_s) + SLACK_S, (elapsed, startup_s)
+  assert elapsed < len(CAS_HANGS) * (1.5 * slowdown * LIMIT_S + startup_s) + SLACK_S, (elapsed, startup_s, slowdown)
   assert f"{len(CAS_HANGS)} answer(s) timed out" in caplog.text
 
 
@@ -116,8 +126,9 @@ def test_crashing_workers_zero_only_their_rows_with_a_counted_warning(monkeypatc
   expected = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
   caplog.set_level(logging.WARNING, logger="erpo_jax.reward.verifier")
   # One worker: every row after a crash is served by its replacement.
-  with Verifier(RewardSection(workers=1, timeout_s=LIMIT_S)) as v:
-    startup_s = _warm(v)
+  t0 = time.perf_counter()
+  with Verifier(RewardSection(workers=1, timeout_s=LIMIT_S)) as v:  # entering starts and warms the worker
+    startup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = v.score(*map(list, zip(*rows)))
     elapsed = time.perf_counter() - t0
@@ -131,8 +142,9 @@ def test_crashing_workers_zero_only_their_rows_with_a_counted_warning(monkeypatc
 def test_a_worker_that_ignores_its_alarm_is_killed_at_the_limit_and_replaced(monkeypatch):
   monkeypatch.setenv("ERPO_JAX_VERIFY_FAULT", "hang:HANG_ME")  # the worker blocks SIGALRM and sleeps forever
   rows = [NORMAL_RIGHT[3], ("\\boxed{HANG_ME}", "x"), NORMAL_RIGHT[4], NORMAL_RIGHT[5]]
+  t0 = time.perf_counter()
   with Verifier(RewardSection(workers=2, timeout_s=LIMIT_S)) as v:
-    startup_s = _warm(v)
+    startup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     result = v.score(*map(list, zip(*rows)))
     elapsed = time.perf_counter() - t0

@@ -16,8 +16,9 @@ import tiny_runs
 from erpo_jax.config import Config, DataSection, EvalSection, ModelSection
 from erpo_jax.data import PAPER_PROMPT_SUFFIX, load_file
 from erpo_jax.data.arithmetic import generate
-from erpo_jax.data.pipeline import (PromptBatch, dataset_prompts, make_eval_source, make_train_iterator,
-                                    train_source, training_prompts)
+from erpo_jax.data.pipeline import (PromptBatch, dataset_prompts, make_train_iterator,
+                                    training_prompts)
+from erpo_jax.data.sources import make_eval_source, train_source
 from erpo_jax.errors import ConfigError, DataError, PathError
 
 FIXTURES = tiny_runs.REPO / "tests" / "fixtures" / "data"

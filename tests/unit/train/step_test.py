@@ -163,7 +163,7 @@ def test_cached_reference_needs_no_reference_params():
   assert float(m["loss/kl"]) == pytest.approx(float(want), abs=1e-6)
 
 
-def test_minibatches_use_whole_batch_counts_and_same_dynamic_weights():
+def test_minibatches_get_their_dynamic_weights_from_the_whole_batch():
   batch = make_batch()
   one = tiny_cfg("erpo.weights=dynamic", "ppo.minibatches=1", "ppo.epochs=2")
   two = tiny_cfg("erpo.weights=dynamic", "ppo.minibatches=2", "ppo.epochs=1")
