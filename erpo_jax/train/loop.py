@@ -221,9 +221,8 @@ def train(cfg: Config) -> dict[str, float]:
   ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save, fingerprint=model_fingerprint(model.cfg, tokenizer.fingerprint()))
   start = 0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    restored = ckpt.restore(latest, params_target=params, opt_state_target=opt_state)
+  restored = ckpt.restore_latest_intact(params_target=params, opt_state_target=opt_state, warn=multihost.warn)
+  if restored is not None:
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")
