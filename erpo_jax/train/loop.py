@@ -169,8 +169,20 @@ def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(cfg: Config) -> dict[str, float]:
-  """Runs (or resumes) a training run; returns the last step's metrics."""
+def train(cfg: Config, *, allow_config_change: bool = False) -> dict[str, float]:
+  """Runs (or resumes) a training run; returns the last step's metrics.
+
+  Holds the run folder's lock throughout; a resume whose config changes what
+  the run computes is refused unless `allow_config_change` (see run_folder).
+  """
+  import contextlib
+  from erpo_jax.train.run_folder import RunLock
+  run_dir = prepare_run_dir(cfg)
+  with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
+    return _train(cfg, run_dir, allow_config_change)
+
+
+def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool) -> dict[str, float]:
   from erpo_jax.train.checkpoint import Checkpointer, all_finite, model_fingerprint
   from erpo_jax.data.pipeline import check_training_data, make_train_iterator
   from erpo_jax.data.reference_cache import ensure_reference_cache
@@ -178,9 +190,9 @@ def train(cfg: Config) -> dict[str, float]:
   from erpo_jax.model.io.loading import load_model, load_tokenizer
   from erpo_jax.reward.verifier import Verifier
   from erpo_jax.rollout.sampler import Sampler
+  from erpo_jax.train.run_folder import check_resume_config
 
-  # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
-  run_dir = prepare_run_dir(cfg)
+  # --- set-up: mesh, models, optimizer, data, sampler, verifier
   mesh = mesh_lib.make_mesh(cfg.mesh)
   if cfg.data.batch_size * cfg.rollout.group_size % mesh_lib.num_batch_shards(mesh):
     raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
@@ -223,6 +235,8 @@ def train(cfg: Config) -> dict[str, float]:
   start = 0
   restored = ckpt.restore_latest_intact(params_target=params, opt_state_target=opt_state, warn=multihost.warn)
   if restored is not None:
+    check_resume_config(run_dir, cfg, saved_text=restored.config_text, allow=allow_config_change,
+                        warn=multihost.warn)
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")
