@@ -11,7 +11,7 @@ import pytest
 from erpo_jax.config import load_config
 from erpo_jax.data import reference_cache as static_weights
 from erpo_jax.data.pipeline import dataset_prompt_tokens
-from erpo_jax.errors import UserError
+from erpo_jax.errors import PathError, UserError
 from erpo_jax.model import llama
 from erpo_jax.model.io.loading import load_model
 
@@ -63,3 +63,48 @@ def test_cli_weights_rebuilds_and_prints_a_summary(tmp_path):
   assert summary["prompts"] == 8
   assert 0.0 <= summary["weight_min"] <= summary["weight_mean"] <= summary["weight_max"] <= 2.0
   assert (tmp_path / "cache" / "reference_cache.npz").is_file()
+
+
+def _truncate(path):
+  path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+def _flip_a_bit(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def _altered_array(path):
+  with np.load(path) as f:
+    arrays = {k: f[k] for k in f.files}
+  arrays["logp"] = arrays["logp"] + np.float32(0.5)  # a valid file whose arrays no longer match the checksum
+  np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_bit, _altered_array], ids=["truncated", "bit flipped",
+                                                                                    "array altered"])
+def test_a_damaged_cache_is_recomputed_with_a_one_line_warning(tmp_path, capsys, damage):
+  cfg = tiny(tmp_path)
+  model, tokenizer = load_model(cfg.model)
+  good = static_weights.ensure_reference_cache(cfg, model, tokenizer)
+  path = static_weights.cache_path(cfg)
+  damage(path)
+  with pytest.raises(static_weights.CacheDamagedError, match="reference cache .* is damaged"):
+    static_weights.load_cache(path, {})
+  capsys.readouterr()
+  again = static_weights.ensure_reference_cache(cfg, model, tokenizer)
+  err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(err) == 1 and err[0].startswith("warning: reference cache") and "recomputing" in err[0], err
+  np.testing.assert_array_equal(again.weights, good.weights)
+  np.testing.assert_array_equal(again.logp, good.logp)
+  assert static_weights.load_cache(path, static_weights.expected_keys(
+      cfg, model, tokenizer, dataset_prompt_tokens(cfg, tokenizer))).weights.shape == (12,)
+
+
+def test_cache_dir_that_is_a_file_is_a_path_error(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  cfg = tiny(tmp_path, f"erpo.cache_dir={tmp_path / 'afile'}")
+  model, tokenizer = load_model(cfg.model)
+  with pytest.raises(PathError, match=r"erpo.cache_dir '.*afile' is a file"):
+    static_weights.ensure_reference_cache(cfg, model, tokenizer)
