@@ -148,17 +148,22 @@ def _number(key: str, v) -> int | float:
 
 
 def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
-  """Keeps lines with step <= last_step (and drops a torn last line); atomic rewrite via os.replace."""
+  """Keeps lines with step <= last_step; drops a torn last line and lines that are not UTF-8 JSON objects.
+
+  Atomic rewrite via os.replace.
+  """
   if not path.exists():
     return
   kept, changed = [], False
-  with open(path, encoding="utf-8") as f:
-    for line in f:
+  with open(path, "rb") as f:
+    for raw in f:
       try:
+        line = raw.decode("utf-8")
         row = json.loads(line) if line.endswith("\n") else None
-      except json.JSONDecodeError:
+      except (UnicodeDecodeError, json.JSONDecodeError):
         row = None
-      if row is not None and row.get("step", math.inf) <= last_step:
+      if isinstance(row, dict) and isinstance(row.get("step", math.inf), (int, float)) and \
+          row.get("step", math.inf) <= last_step:
         kept.append(line)
       else:
         changed = True

@@ -53,6 +53,15 @@ def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
   assert tb["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
 
+def test_resume_drops_lines_that_are_not_utf8_json_objects(tmp_path):
+  _write_steps(tmp_path, [1, 2])
+  with open(tmp_path / "metrics.jsonl", "ab") as f:
+    f.write(b'{"step": 3, "note": "caf\xe9 \xff"}\n[1, 2]\n{"step": "x"}\n')
+  _write_steps(tmp_path, [3], start_step=2, scale=10.0)
+  rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["reward/mean"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_fresh_start_replaces_old_metrics(tmp_path):
   _write_steps(tmp_path, [1, 2])
   _write_steps(tmp_path, [1], scale=7.0)
