@@ -95,6 +95,8 @@ class DataSection:
   max_prompt_tokens: int = 256
   on_overlong: Literal["truncate", "skip", "error"] = "skip"
   on_bad_row: Literal["error", "skip"] = "error"
+  # Roles a chat-shaped data row may use; any other role (or a template control token in a row) is a bad row.
+  chat_roles: tuple[str, ...] = ("system", "user", "assistant")
   num_workers: int = 0  # Grain worker processes (0 = in the main process)
 
   def __post_init__(self):
