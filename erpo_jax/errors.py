@@ -24,6 +24,15 @@ class PathError(UserError):
   """A missing or unusable file or folder."""
 
 
+def write_error(path, e: OSError) -> PathError:
+  """A one-line PathError for a failed write of `path` (disk full, quota, permissions, read-only file system)."""
+  import errno  # pylint: disable=import-outside-toplevel
+  hint = {errno.ENOSPC: "; free some space and run the same command again",
+          errno.EDQUOT: "; free some of your quota and run the same command again",
+          errno.EFBIG: "; the file size limit (ulimit -f) was reached"}.get(e.errno, "")
+  return PathError(f"'{path}' cannot be written ({e.strerror or e}){hint}")
+
+
 class NonFiniteError(Exception):
   """The loss or gradients became NaN/Inf; carries the step number."""
 

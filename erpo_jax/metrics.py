@@ -16,6 +16,8 @@ from tensorboardX import SummaryWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from erpo_jax.errors import write_error
+
 METRICS_FILE = "metrics.jsonl"  # <run.dir>/metrics.jsonl: one {"step": k, ...} object per line
 TB_DIR = "tb"  # <run.dir>/tb
 
@@ -82,8 +84,11 @@ class MetricsWriter:
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / METRICS_FILE
-    truncate_jsonl(path, start_step)
-    self._jsonl = open(path, "a", encoding="utf-8")
+    try:
+      truncate_jsonl(path, start_step)
+      self._jsonl = open(path, "a", encoding="utf-8")
+    except OSError as e:
+      raise write_error(path, e) from None
     if tensorboard:
       # purge_step: TensorBoard hides earlier files' events at steps > start_step, as metrics.jsonl drops
       # them. tensorboardX writes from a background thread and reaches the disk every flush_secs. The
@@ -102,8 +107,11 @@ class MetricsWriter:
     if not self.is_main:
       return
     values = {k: _number(k, v) for k, v in scalars.items()}
-    self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
-    self._jsonl.flush()
+    try:
+      self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+      self._jsonl.flush()
+    except OSError as e:
+      raise write_error(self._jsonl.name, e) from None
     if self._tb is not None:
       for k, v in values.items():
         self._tb.add_scalar(k, v, step)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from erpo_jax.algo import losses
-from erpo_jax.errors import PathError, UserError
+from erpo_jax.errors import PathError, UserError, write_error
 from erpo_jax.model import llama
 
 CACHE_NAME = "reference_cache.npz"
@@ -136,12 +136,16 @@ def _checksum(arrays: dict, keys_json: str) -> str:
 
 def save_cache(path: pathlib.Path, cache: ReferenceCache) -> None:
   """Writes the cache atomically, with a sha256 of its arrays and keys."""
-  path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
   keys_json = json.dumps(cache.keys, sort_keys=True)
   arrays = {name: getattr(cache, name) for name in _ARRAYS}
-  np.savez(tmp, **arrays, keys=np.array(keys_json), checksum=np.array(_checksum(arrays, keys_json)))
-  os.replace(tmp, path)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp, **arrays, keys=np.array(keys_json), checksum=np.array(_checksum(arrays, keys_json)))
+    os.replace(tmp, path)
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise write_error(path, e) from None
 
 
 def load_cache(path: pathlib.Path, expected_keys: dict) -> ReferenceCache:

@@ -25,7 +25,7 @@ from erpo_jax.parallel import multihost, transfer
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.train import step as train_step
 from erpo_jax.config import Config, dump_config
-from erpo_jax.errors import ConfigError, NonFiniteError, PathError
+from erpo_jax.errors import ConfigError, NonFiniteError, PathError, write_error
 from erpo_jax.model import shared_prefix
 
 
@@ -48,8 +48,12 @@ def prepare_run_dir(cfg: Config) -> pathlib.Path:
 
 def write_config(run_dir: pathlib.Path, cfg: Config) -> None:
   tmp = run_dir / "config.yaml.tmp"
-  tmp.write_text(dump_config(cfg))
-  os.replace(tmp, run_dir / "config.yaml")
+  try:
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise write_error(run_dir / "config.yaml", e) from None
 
 
 class _Preemption:
