@@ -279,16 +279,17 @@ class Checkpointer:
       try:
         restored = self.restore(step, params_target=params_target, opt_state_target=opt_state_target)
       except CheckpointDamagedError as e:
-        damaged.append(str(e))
+        damaged.append((step, str(e)))
         continue
-      for message in damaged:
+      for _, message in damaged:
         if warn is not None:
           warn(f"{message}; resuming from the newest intact checkpoint, step {step}")
       self._set_aside(s for s in self.all_steps() if s > step)
       return restored
     if damaged:
-      raise CheckpointDamagedError(f"no intact checkpoint in {self.directory}: {'; '.join(damaged)}; "
-                                   "restore the folder from a backup or start a fresh run.dir")
+      reasons = "; ".join(f"{CHECKPOINTS_DIR}/{s}: {m.split(': ', 1)[-1][:90]}" for s, m in damaged)
+      raise CheckpointDamagedError(f"no intact checkpoint in {self.directory} ({reasons}); restore the folder "
+                                   "from a backup or start a fresh run.dir")
     return None
 
   def _set_aside(self, steps) -> None:

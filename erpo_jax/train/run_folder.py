@@ -145,9 +145,10 @@ def run_defining(key: str) -> bool:
 
 
 def config_changes(saved: dict, new: dict) -> list[tuple[str, object, object]]:
-  """(key, saved value, new value) of every leaf that differs; keys only one side has are skipped."""
+  """(key, saved value, new value) of every leaf that differs; keys only one side has are skipped, and so is
+  run.dir (a run folder may be moved)."""
   a, b = _flat(saved), _flat(new)
-  return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k]]
+  return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k != "run.dir"]
 
 
 def _short(v) -> str:

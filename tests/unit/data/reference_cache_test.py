@@ -1,6 +1,7 @@
 """`erpo-jax weights`: the static weights and reference prompt cache, checked independently; stale caches refused."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -82,24 +83,35 @@ def _altered_array(path):
   np.savez(path, **arrays)
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  """(config, model, tokenizer, cache) of a cache built once."""
+  cfg = tiny(tmp_path_factory.mktemp("cache"))
+  model, tokenizer = load_model(cfg.model)
+  return cfg, model, tokenizer, static_weights.ensure_reference_cache(cfg, model, tokenizer)
+
+
 @pytest.mark.parametrize("damage", [_truncate, _flip_a_bit, _altered_array], ids=["truncated", "bit flipped",
                                                                                     "array altered"])
-def test_a_damaged_cache_is_recomputed_with_a_one_line_warning(tmp_path, capsys, damage):
-  cfg = tiny(tmp_path)
-  model, tokenizer = load_model(cfg.model)
-  good = static_weights.ensure_reference_cache(cfg, model, tokenizer)
-  path = static_weights.cache_path(cfg)
+def test_a_damaged_cache_file_is_refused_as_damaged(tmp_path, built, damage):
+  path = tmp_path / "reference_cache.npz"
+  shutil.copy(static_weights.cache_path(built[0]), path)
+  static_weights.load_cache(path, {})  # intact
   damage(path)
-  with pytest.raises(static_weights.CacheDamagedError, match="reference cache .* is damaged"):
+  with pytest.raises(static_weights.CacheDamagedError, match=r"reference cache .* is damaged \(.+\)"):
     static_weights.load_cache(path, {})
+
+
+def test_a_damaged_cache_is_recomputed_with_a_one_line_warning(built, capsys):
+  cfg, model, tokenizer, good = built
+  _flip_a_bit(static_weights.cache_path(cfg))
   capsys.readouterr()
   again = static_weights.ensure_reference_cache(cfg, model, tokenizer)
   err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
   assert len(err) == 1 and err[0].startswith("warning: reference cache") and "recomputing" in err[0], err
   np.testing.assert_array_equal(again.weights, good.weights)
   np.testing.assert_array_equal(again.logp, good.logp)
-  assert static_weights.load_cache(path, static_weights.expected_keys(
-      cfg, model, tokenizer, dataset_prompt_tokens(cfg, tokenizer))).weights.shape == (12,)
+  static_weights.load_cache(static_weights.cache_path(cfg), {})  # rewritten intact
 
 
 def test_cache_dir_that_is_a_file_is_a_path_error(tmp_path):

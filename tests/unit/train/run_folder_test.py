@@ -97,6 +97,10 @@ def test_other_changes_are_taken_and_each_is_printed_in_one_line(tmp_path):
                      "optim.lr 0.001 -> 0.002, train.steps 4 -> 10, checkpoint.every 2 -> 5"]
   same = []
   check_resume_config(tmp_path, load_config("configs/tiny.yaml", [f"run.dir={tmp_path}"]), warn=same.append)
+  moved = tmp_path / "moved"
+  moved.mkdir()
+  (moved / "config.yaml").write_text((tmp_path / "config.yaml").read_text())
+  check_resume_config(moved, load_config("configs/tiny.yaml", [f"run.dir={moved}"]), warn=same.append)
   assert same == []
 
 
