@@ -301,6 +301,9 @@ class Checkpointer:
         while dst.exists():
           dst, n = self.directory / f"{step}.damaged.{n}", n + 1
         os.rename(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      multihost_utils.sync_global_devices("erpo-jax: damaged checkpoints set aside")
     self._mgr.reload()
 
   def close(self) -> None:
@@ -363,9 +366,18 @@ def restore_params(model: nnx.Module, checkpoint: str, run_dir):
   step_dir = find_checkpoint(checkpoint, run_dir).absolute()
   state = nnx.state(model, nnx.Param)
   with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-    saved = ckptr.metadata(step_dir / "params").item_metadata
+    try:
+      saved = ckptr.metadata(step_dir / "params").item_metadata
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {step_dir}: its params cannot be read ({_first_line(e)})") from None
     _check_params_fit(saved, state, step_dir, _saved_fingerprint(step_dir))
-    restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(_abstract(state)))
+    try:
+      restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(_abstract(state)))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {step_dir}: its arrays cannot be read ({_first_line(e)})") from None
+  bad = _checksum_mismatch(restored, _saved_meta(step_dir).get("checksums", {}).get("params"))
+  if bad is not None:
+    raise CheckpointDamagedError(f"checkpoint {step_dir}: params array '{bad}' differs from its saved checksum")
   nnx.replace_by_pure_dict(state, restored)
   nnx.update(model, state)
   return model
@@ -452,12 +464,18 @@ def _key_from_json(d: dict) -> jax.Array:
   return data if d["impl"] is None else jax.random.wrap_key_data(data, impl=d["impl"])
 
 
-def _saved_fingerprint(step_dir: pathlib.Path) -> str:
+def _saved_meta(step_dir: pathlib.Path) -> dict:
+  """The meta item of a step folder ({} when it cannot be read)."""
   try:
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-      return ckptr.restore(step_dir / "meta", args=ocp.args.JsonRestore())["fingerprint"]
+      meta = ckptr.restore(step_dir / "meta", args=ocp.args.JsonRestore())
+    return meta if isinstance(meta, dict) else {}
   except Exception:  # pylint: disable=broad-except
-    return "unknown"
+    return {}
+
+
+def _saved_fingerprint(step_dir: pathlib.Path) -> str:
+  return _saved_meta(step_dir).get("fingerprint", "unknown")
 
 
 def _first_line(e: Exception) -> str:

@@ -416,3 +416,18 @@ def test_no_intact_checkpoint_is_one_error_naming_each(tmp_path):
 def test_fresh_folder_restores_nothing(tmp_path):
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
     assert c.restore_latest_intact(params_target=_big_params(0), opt_state_target={}) is None
+
+
+def test_restore_params_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_models):
+  trained, other, target = tiny_models
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    _save(c, 1, nnx.state(other, nnx.Param))
+    _save(c, 2, nnx.state(trained, nnx.Param))
+  step_dir = tmp_path / "checkpoints"
+  shutil.rmtree(step_dir / "2" / "params")
+  shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")
+  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/2: params array '.*' differs from its saved"):
+    ck.restore_params(target, "latest", tmp_path)
+  _truncate(step_dir / "1")
+  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/1: its arrays cannot be read"):
+    ck.restore_params(target, "1", tmp_path)
