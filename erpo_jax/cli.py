@@ -6,6 +6,7 @@ import argparse
 import errno
 import logging
 import sys
+import threading
 
 from erpo_jax.errors import NonFiniteError, UserError
 
@@ -172,6 +173,16 @@ def _report_checkpoint_write_errors_once() -> None:
       previous(unraisable)
 
   sys.unraisablehook = hook
+
+  # A writer thread (TensorBoard's) that fails on a full disk or a permission is reported by the main
+  # thread in one line (MetricsWriter checks the thread); its own traceback is dropped.
+  previous_thread_hook = threading.excepthook
+
+  def thread_hook(args):
+    if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in USER_ERRNOS):
+      previous_thread_hook(args)
+
+  threading.excepthook = thread_hook
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from erpo_jax.errors import write_error
+from erpo_jax.errors import PathError, write_error
 
 METRICS_FILE = "metrics.jsonl"  # <run.dir>/metrics.jsonl: one {"step": k, ...} object per line
 TB_DIR = "tb"  # <run.dir>/tb
@@ -93,8 +93,11 @@ class MetricsWriter:
       # purge_step: TensorBoard hides earlier files' events at steps > start_step, as metrics.jsonl drops
       # them. tensorboardX writes from a background thread and reaches the disk every flush_secs. The
       # suffix keeps a resumed run from truncating an event file named in the same second.
-      self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1, flush_secs=10,
-                               filename_suffix=f".{time.time_ns()}")
+      try:
+        self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1, flush_secs=10,
+                                 filename_suffix=f".{time.time_ns()}")
+      except OSError as e:
+        raise write_error(run_dir / TB_DIR, e) from None
     if progress:
       self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
     self._shown = start_step
@@ -113,6 +116,7 @@ class MetricsWriter:
     except OSError as e:
       raise write_error(self._jsonl.name, e) from None
     if self._tb is not None:
+      self._check_tensorboard()
       for k, v in values.items():
         self._tb.add_scalar(k, v, step)
     if self._bar is not None:
@@ -125,12 +129,27 @@ class MetricsWriter:
   def write_text(self, step: int, tag: str, text: str) -> None:
     """Logs a text (e.g. a sampled completion) to TensorBoard."""
     if self._tb is not None:
+      self._check_tensorboard()
       self._tb.add_text(tag, text, step)
+
+  def _check_tensorboard(self) -> None:
+    """Raises PathError once tensorboardX's writer thread has stopped (a failed write, e.g. a full disk):
+    its queue would take a few more events and then block the run for ever."""
+    event_writer = getattr(getattr(self._tb, "file_writer", None), "event_writer", None)
+    worker = getattr(event_writer, "_worker", None)
+    if worker is not None and not worker.is_alive():
+      tb_dir = self._tb.logdir
+      self._tb = None
+      raise PathError(f"'{tb_dir}' cannot be written: the TensorBoard writer stopped (a full disk?); "
+                      "free some space and run the same command again")
 
   def close(self) -> None:
     if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:
+        raise write_error(tb.logdir, e) from None
     if self._bar is not None:
       self._bar.close()
       self._bar = None

@@ -132,3 +132,26 @@ def test_reader_stops_at_a_torn_event_record(tmp_path):
   tb = metrics.read_tensorboard_scalars(tmp_path / "tb")
   assert tb["reward/mean"] == [(1, 1.0), (2, 2.0)]
   assert tb["response/len_max"] == [(1, 1.0)]
+
+
+def test_a_stopped_tensorboard_writer_is_a_path_error_not_a_hang(tmp_path, monkeypatch):
+  import errno
+  import threading
+  from erpo_jax.errors import PathError
+  from tensorboardX import event_file_writer
+
+  def full_disk(self, event):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  w = metrics.MetricsWriter(tmp_path, total_steps=5, progress=False)
+  monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", full_disk)
+  monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the writer thread's own report
+  w.write(1, {"reward/mean": 1.0})
+  worker = w._tb.file_writer.event_writer._worker  # pylint: disable=protected-access
+  worker.join(timeout=30)
+  assert not worker.is_alive()
+  with pytest.raises(PathError, match=r"tb' cannot be written: the TensorBoard writer stopped"):
+    for step in range(2, 40):  # more events than the writer's queue holds
+      w.write(step, {"reward/mean": float(step)})
+  w.close()
+  assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
