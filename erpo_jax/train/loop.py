@@ -240,7 +240,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool) -> dic
   restored = ckpt.restore_latest_intact(params_target=params, opt_state_target=opt_state, warn=multihost.warn)
   if restored is not None:
     check_resume_config(run_dir, cfg, saved_text=restored.config_text, allow=allow_config_change,
-                        warn=multihost.warn)
+                        warn=multihost.log)
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")

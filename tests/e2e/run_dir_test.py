@@ -63,16 +63,16 @@ def test_a_resume_that_changes_group_size_is_refused_and_allowed_with_the_flag(f
                         cwd=tiny_runs.REPO, env=tiny_runs.child_env(), capture_output=True, text=True,
                         timeout=tiny_runs.RUN_TIMEOUT_S)
   assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning: ")]
-  assert warnings == [f"warning: resuming run.dir '{finished}' with a changed config: rollout.group_size 4 -> 8"]
+  said = [l for l in proc.stdout.splitlines() if "changed config" in l]
+  assert said == [f"resuming run.dir '{finished}' with a changed config: rollout.group_size 4 -> 8"], proc.stdout
   assert "rollout:\n  group_size: 8\n" in (finished / "config.yaml").read_text()
 
 
 def test_a_resume_with_another_learning_rate_is_taken_and_said(finished):
   proc = tiny_runs.run_train(finished, "optim.lr=0.002")
   assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning: ")]
-  assert warnings == [f"warning: resuming run.dir '{finished}' with a changed config: optim.lr 0.001 -> 0.002"]
+  said = [l for l in proc.stdout.splitlines() if "changed config" in l]
+  assert said == [f"resuming run.dir '{finished}' with a changed config: optim.lr 0.001 -> 0.002"], proc.stdout
   assert tiny_runs.metrics_steps(finished) == list(range(1, STEPS + 1))
 
 
