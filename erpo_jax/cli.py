@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
+import threading
 
 from erpo_jax.errors import NonFiniteError, UserError
 
@@ -22,12 +24,68 @@ def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
 
 
+MAX_ERROR_CHARS = 600  # an error line is cut here: a value in a message can be any size
+
+# OSErrors of the user's environment (a full disk, permissions, a path that is not what it should be):
+# reported in one line like a UserError. Any other OSError is a bug and keeps its traceback.
+USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,
+                         errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                         errno.ELOOP, errno.EMFILE, errno.ENFILE, errno.EIO})
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with its errors (unknown flag, bad value) as one line, exit code 2."""
+
+  def error(self, message):
+    self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+
+
+def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+  """`text` on one line (whitespace runs become one space), cut to `limit` characters."""
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _positive_int(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return v
+
+
+def _temperature(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not 0 <= v < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), got {text!r}")
+  return v
+
+
+def _os_error_text(e: OSError) -> str:
+  what = f"'{e.filename}'" if e.filename else "a file"
+  if e.filename2:
+    what += f" -> '{e.filename2}'"
+  hint = {errno.ENOSPC: "; free some space (or point run.dir elsewhere) and run the same command again",
+          errno.EDQUOT: "; free some of your quota and run the same command again",
+          errno.EACCES: "; check its permissions", errno.EPERM: "; check its permissions",
+          errno.EROFS: "; it is on a read-only file system"}.get(e.errno, "")
+  return f"{what}: {e.strerror or e}{hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="erpo-jax", description=__doc__)
+  parser = _Parser(prog="erpo-jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
 
   p = sub.add_parser("train", help="train with ERPO or GRPO; resumes an existing run folder")
   _add_common(p)
+  p.add_argument("--allow-config-change", action="store_true",
+                 help="resume even when the config changes what the run computes (model, data, G, B, ERPO/PPO "
+                      "settings, seed); every changed field is printed either way")
 
   p = sub.add_parser("eval", help="temperature sweep: Avg@k, Pass@k, Pass@1")
   _add_common(p)
@@ -41,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("sample", help="generate a completion for one prompt")
   _add_common(p)
   p.add_argument("--prompt", required=True, help="user message; wrapped in the chat template")
-  p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  p.add_argument("--num", type=int, default=1, help="number of samples")
+  p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+  p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
+  p.add_argument("--num", type=_positive_int, default=1, help="number of samples")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--checkpoint", default=None, help="a checkpoint folder or 'latest' of run.dir")
 
@@ -61,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
   p.add_argument("what", nargs="?", default="all", choices=["step", "rollout", "rl", "all"])
   _add_common(p)
-  p.add_argument("--iters", type=int, default=None, help="timed iterations (median reported)")
+  p.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
@@ -94,7 +152,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                                process_id=args.process_id)
   if args.command == "train":
     from erpo_jax.train.loop import train
-    train(cfg)
+    train(cfg, allow_config_change=args.allow_config_change)
   elif args.command == "eval":
     from erpo_jax.eval.evaluate import run_eval
     run_eval(cfg, checkpoint=args.checkpoint, out=args.out)
@@ -146,6 +204,16 @@ def _report_checkpoint_write_errors_once() -> None:
 
   sys.unraisablehook = hook
 
+  # A writer thread (TensorBoard's) that fails on a full disk or a permission is reported by the main
+  # thread in one line (MetricsWriter checks the thread); its own traceback is dropped.
+  previous_thread_hook = threading.excepthook
+
+  def thread_hook(args):
+    if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in USER_ERRNOS):
+      previous_thread_hook(args)
+
+  threading.excepthook = thread_hook
+
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
@@ -153,8 +221,13 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return _dispatch(args)
   except (UserError, NonFiniteError) as e:  # NonFiniteError names the step; exit code 3 tells it from a mistake
-    print(f"erpo-jax {args.command}: error: {e}", file=sys.stderr)
+    print(one_line(f"erpo-jax {args.command}: error: {e}"), file=sys.stderr)
     return e.exit_code
+  except OSError as e:
+    if e.errno not in USER_ERRNOS:
+      raise
+    print(one_line(f"erpo-jax {args.command}: error: {_os_error_text(e)}"), file=sys.stderr)
+    return UserError.exit_code
   except KeyboardInterrupt:
     print(f"erpo-jax {args.command}: interrupted", file=sys.stderr)
     return 130

@@ -44,6 +44,10 @@ class RandomInitConfig:
       _check(v >= 1, f"model.random_init.{f}", "a positive integer", v)
     _check(self.num_heads % self.num_kv_heads == 0, "model.random_init.num_kv_heads",
            f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+    _check(self.head_dim % 2 == 0, "model.random_init.head_dim", "an even number (RoPE rotates pairs)",
+           self.head_dim)
+    _check(0 < self.rope_theta < math.inf, "model.random_init.rope_theta", "a finite positive number",
+           self.rope_theta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,8 @@ class DataSection:
   max_prompt_tokens: int = 0
   on_overlong: Literal["truncate", "skip", "error"] = "skip"
   on_bad_row: Literal["error", "skip"] = "error"
+  # Roles a chat-shaped data row may use; any other role (or a template control token in a row) is a bad row.
+  chat_roles: tuple[str, ...] = ("system", "user", "assistant")
   num_workers: int = 0  # Grain worker processes (0 = in the main process)
 
   def __post_init__(self):
@@ -121,7 +127,7 @@ class RewardSection:
   format_bonus: float = 0.0  # added when an answer could be extracted
 
   def __post_init__(self):
-    _check(self.timeout_s > 0, "reward.timeout_s", "a positive number of seconds", self.timeout_s)
+    _check(0 < self.timeout_s <= 3600, "reward.timeout_s", "a number of seconds in (0, 3600]", self.timeout_s)
     _check(self.workers >= 1, "reward.workers", "an integer >= 1", self.workers)
     for f in ("correct", "wrong", "format_bonus"):  # a NaN/Inf reward would make every advantage NaN
       _check(math.isfinite(getattr(self, f)), f"reward.{f}", "a finite number", getattr(self, f))
@@ -303,12 +309,20 @@ class EvalSection:
 
   def __post_init__(self):
     _check(self.k >= 1, "eval.k", "an integer >= 1", self.k)
+    _check(self.batch_size >= 1, "eval.batch_size", "an integer >= 1", self.batch_size)
+    _check(self.max_problems >= 0, "eval.max_problems", "an integer >= 0 (0 = all)", self.max_problems)
+    _check(self.max_new_tokens >= 0, "eval.max_new_tokens", "an integer >= 0 (0 = rollout.max_new_tokens)",
+           self.max_new_tokens)
+    _check(self.builtin_size >= 1, "eval.builtin_size", "an integer >= 1", self.builtin_size)
     _check(all(t >= 0 for t in self.temperatures), "eval.temperatures", "numbers >= 0", self.temperatures)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSection:
   dir: str = "runs/default"  # checkpoints, tb/, metrics.jsonl, config.yaml
+
+  def __post_init__(self):
+    _check(bool(self.dir.strip()), "run.dir", "a folder (the working directory is never a run folder)", self.dir)
 
 
 @dataclasses.dataclass(frozen=True)

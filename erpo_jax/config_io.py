@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import pathlib
+import reprlib
 import types
 import typing
 from typing import Any, Literal
@@ -29,13 +30,69 @@ class _Where:
     return ""
 
 
-def _yaml_with_lines(text: str, source: str, where: _Where) -> dict:
+_YAML_NODE_BUDGET = 10_000  # nodes of a config after aliases are expanded; a config has a few hundred
+
+
+class _StrictLoader(yaml.SafeLoader):
+  """PyYAML's safe loader without explicit tags (`!!python/...`, `!!float abc`) or non-scalar mapping keys."""
+
+  def compose_node(self, parent, index):
+    event = self.peek_event()
+    tag = getattr(event, "tag", None)
+    if tag not in (None, "!") and not isinstance(event, yaml.AliasEvent):
+      short = tag.replace("tag:yaml.org,2002:", "!!")
+      raise yaml.MarkedYAMLError(problem=f"tags such as '{short}' are not allowed in a config",
+                                 problem_mark=event.start_mark)
+    return super().compose_node(parent, index)
+
+
+def _check_node(node, source: str, lines: bool) -> None:
+  """Rejects complex mapping keys, alias cycles and alias expansions past _YAML_NODE_BUDGET (bounded work)."""
+  at = lambda n: f"{source}:{n.start_mark.line + 1}" if lines else source
+  seen = 0
+  stack = [(node, ())]
+  while stack:
+    n, path = stack.pop()
+    seen += 1
+    if seen > _YAML_NODE_BUDGET:
+      raise ConfigError(f"{at(n)}: invalid YAML (aliases expand to more than "
+                        f"{_YAML_NODE_BUDGET} values)")
+    if id(n) in path:
+      raise ConfigError(f"{at(n)}: invalid YAML (an alias refers to itself)")
+    if isinstance(n, yaml.MappingNode):
+      for k, v in n.value:
+        if not isinstance(k, yaml.ScalarNode):
+          raise ConfigError(f"{at(k)}: invalid YAML (a mapping key must be a plain "
+                            f"value, not a list or mapping)")
+        stack.append((v, path + (id(n),)))
+    elif isinstance(n, yaml.SequenceNode):
+      stack.extend((v, path + (id(n),)) for v in n.value)
+
+
+def safe_yaml(text: str, source: str, lines: bool = True):
+  """(node, value) of YAML `text` (one document), read with _StrictLoader and checked by _check_node.
+
+  Errors are ConfigErrors naming `source` (and the line when `lines`).
+  """
+  loader = _StrictLoader(text)
   try:
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    node = loader.get_single_node()
+    if node is None:
+      return None, None
+    _check_node(node, source, lines)
+    return node, loader.construct_document(node)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
-    at = f"{source}:{mark.line + 1}" if mark else source
-    raise ConfigError(f"{at}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    at = f"{source}:{mark.line + 1}" if mark and lines else source
+    raise ConfigError(f"{at}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+  except (ValueError, TypeError, OverflowError) as e:  # a value the safe constructor cannot build
+    raise ConfigError(f"{source}: invalid YAML ({e})") from None
+  finally:
+    loader.dispose()
+
+
+def _yaml_with_lines(text: str, source: str, where: _Where) -> dict:
+  node, value = safe_yaml(text, source)
   if node is None:
     return {}
   if not isinstance(node, yaml.MappingNode):
@@ -49,7 +106,7 @@ def _yaml_with_lines(text: str, source: str, where: _Where) -> dict:
         walk(v, key + ".")
 
   walk(node, "")
-  return yaml.safe_load(text) or {}
+  return value or {}
 
 
 def _all_keys(cls, prefix="") -> list[str]:
@@ -121,7 +178,7 @@ def _coerce(t, v):
       return v
     raise _Mismatch
   if t is int:
-    if isinstance(v, int) and not isinstance(v, bool):
+    if isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63:
       return v
     raise _Mismatch
   if t is float:
@@ -142,10 +199,18 @@ def _coerce(t, v):
   raise _Mismatch
 
 
+def _short_repr(v) -> str:
+  """repr of a config value, at most about 80 characters (a value may be a large nested list)."""
+  r = reprlib.Repr()
+  r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother, r.maxlong = 2, 4, 4, 60, 60, 40
+  text = r.repr(v)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _build(cls, raw: dict, prefix: str, where: _Where):
   if not isinstance(raw, dict):
     at = where.of(prefix.rstrip("."))
-    raise ConfigError(f"{at + ': ' if at else ''}{prefix.rstrip('.')}: expected a mapping, got {raw!r}")
+    raise ConfigError(f"{at + ': ' if at else ''}{prefix.rstrip('.')}: expected a mapping, got {_short_repr(raw)}")
   names = {f.name: f for f in dataclasses.fields(cls)}
   kwargs = {}
   for k, v in raw.items():
@@ -162,7 +227,10 @@ def _build(cls, raw: dict, prefix: str, where: _Where):
     try:
       kwargs[k] = _coerce(t, v)
     except _Mismatch:
-      raise ConfigError(f"{at + ': ' if at else ''}{key}: expected {_type_name(t)}, got {v!r}") from None
+      expected = _type_name(t)
+      if isinstance(v, int) and not isinstance(v, bool) and "an integer" in expected:
+        expected += " in [-2**63, 2**63)"
+      raise ConfigError(f"{at + ': ' if at else ''}{key}: expected {expected}, got {_short_repr(v)}") from None
   try:
     return cls(**kwargs)
   except ConfigError as e:
@@ -192,10 +260,14 @@ def parse_override(text: str) -> tuple[str, Any]:
   key = key.strip()
   if not key:
     raise ConfigError(f"override '{text}': expected key=value, e.g. erpo.weights=dynamic")
+  if not value.strip():
+    return key, ""
   try:
-    parsed = yaml.safe_load(value) if value.strip() else ""
-  except yaml.YAMLError:
-    parsed = value
+    _, parsed = safe_yaml(value, f"override '{text}'", lines=False)
+  except ConfigError as e:
+    if "invalid YAML (" in str(e) and "!" not in value and "&" not in value and "*" not in value:
+      return key, value  # not YAML (e.g. a path with ': '): taken as the text it is
+    raise
   return key, parsed
 
 

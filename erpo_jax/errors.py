@@ -1,5 +1,7 @@
 """User-facing errors: one line, exit code 2, no traceback."""
 
+import errno
+
 
 class UserError(Exception):
   """A mistake in the user's input (config, data, paths).
@@ -22,6 +24,14 @@ class DataError(UserError):
 
 class PathError(UserError):
   """A missing or unusable file or folder."""
+
+
+def write_error(path, e: OSError) -> PathError:
+  """A one-line PathError for a failed write of `path` (disk full, quota, permissions, read-only file system)."""
+  hint = {errno.ENOSPC: "; free some space and run the same command again",
+          errno.EDQUOT: "; free some of your quota and run the same command again",
+          errno.EFBIG: "; the file size limit (ulimit -f) was reached"}.get(e.errno, "")
+  return PathError(f"'{path}' cannot be written ({e.strerror or e}){hint}")
 
 
 class NonFiniteError(Exception):

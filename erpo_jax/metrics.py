@@ -16,6 +16,8 @@ from tensorboardX import SummaryWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from erpo_jax.errors import PathError, write_error
+
 METRICS_FILE = "metrics.jsonl"  # <run.dir>/metrics.jsonl: one {"step": k, ...} object per line
 TB_DIR = "tb"  # <run.dir>/tb
 
@@ -82,14 +84,20 @@ class MetricsWriter:
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / METRICS_FILE
-    truncate_jsonl(path, start_step)
-    self._jsonl = open(path, "a", encoding="utf-8")
+    try:
+      truncate_jsonl(path, start_step)
+      self._jsonl = open(path, "a", encoding="utf-8")
+    except OSError as e:
+      raise write_error(path, e) from None
     if tensorboard:
       # purge_step: TensorBoard hides earlier files' events at steps > start_step, as metrics.jsonl drops
       # them. tensorboardX writes from a background thread and reaches the disk every flush_secs. The
       # suffix keeps a resumed run from truncating an event file named in the same second.
-      self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1, flush_secs=10,
-                               filename_suffix=f".{time.time_ns()}")
+      try:
+        self._tb = SummaryWriter(str(run_dir / TB_DIR), purge_step=start_step + 1, flush_secs=10,
+                                 filename_suffix=f".{time.time_ns()}")
+      except OSError as e:
+        raise write_error(run_dir / TB_DIR, e) from None
     if progress:
       self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
     self._shown = start_step
@@ -102,9 +110,13 @@ class MetricsWriter:
     if not self.is_main:
       return
     values = {k: _number(k, v) for k, v in scalars.items()}
-    self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
-    self._jsonl.flush()
+    try:
+      self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+      self._jsonl.flush()
+    except OSError as e:
+      raise write_error(self._jsonl.name, e) from None
     if self._tb is not None:
+      self._check_tensorboard()
       for k, v in values.items():
         self._tb.add_scalar(k, v, step)
     if self._bar is not None:
@@ -117,12 +129,27 @@ class MetricsWriter:
   def write_text(self, step: int, tag: str, text: str) -> None:
     """Logs a text (e.g. a sampled completion) to TensorBoard."""
     if self._tb is not None:
+      self._check_tensorboard()
       self._tb.add_text(tag, text, step)
+
+  def _check_tensorboard(self) -> None:
+    """Raises PathError once tensorboardX's writer thread has stopped (a failed write, e.g. a full disk):
+    its queue would take a few more events and then block the run for ever."""
+    event_writer = getattr(getattr(self._tb, "file_writer", None), "event_writer", None)
+    worker = getattr(event_writer, "_worker", None)
+    if worker is not None and not worker.is_alive():
+      tb_dir = self._tb.logdir
+      self._tb = None
+      raise PathError(f"'{tb_dir}' cannot be written: the TensorBoard writer stopped (a full disk?); "
+                      "free some space and run the same command again")
 
   def close(self) -> None:
     if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:
+        raise write_error(tb.logdir, e) from None
     if self._bar is not None:
       self._bar.close()
       self._bar = None
@@ -148,17 +175,22 @@ def _number(key: str, v) -> int | float:
 
 
 def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
-  """Keeps lines with step <= last_step (and drops a torn last line); atomic rewrite via os.replace."""
+  """Keeps lines with step <= last_step; drops a torn last line and lines that are not UTF-8 JSON objects.
+
+  Atomic rewrite via os.replace.
+  """
   if not path.exists():
     return
   kept, changed = [], False
-  with open(path, encoding="utf-8") as f:
-    for line in f:
+  with open(path, "rb") as f:
+    for raw in f:
       try:
+        line = raw.decode("utf-8")
         row = json.loads(line) if line.endswith("\n") else None
-      except json.JSONDecodeError:
+      except (UnicodeDecodeError, json.JSONDecodeError):
         row = None
-      if row is not None and row.get("step", math.inf) <= last_step:
+      if isinstance(row, dict) and isinstance(row.get("step", math.inf), (int, float)) and \
+          row.get("step", math.inf) <= last_step:
         kept.append(line)
       else:
         changed = True

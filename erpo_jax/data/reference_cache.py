@@ -26,11 +26,12 @@ from tqdm import tqdm
 from erpo_jax import buckets
 from erpo_jax.algo import weights
 from erpo_jax.data.pipeline import dataset_prompts
-from erpo_jax.errors import PathError, UserError
+from erpo_jax.errors import PathError, UserError, write_error
 from erpo_jax.metrics import TB_DIR
 from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.parallel import multihost
 
 CACHE_NAME = "reference_cache.npz"
 
@@ -130,23 +131,49 @@ def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, key
                         prompt_len=lengths.astype(np.int32), keys=keys)
 
 
+class CacheDamagedError(PathError):
+  """The cache file cannot be read, or its arrays differ from the checksum saved with them."""
+
+
+_ARRAYS = ("weights", "nll", "logp", "prompt_len")
+
+
+def _checksum(arrays: dict, keys_json: str) -> str:
+  h = hashlib.sha256(keys_json.encode())
+  for name in _ARRAYS:
+    a = np.ascontiguousarray(arrays[name])
+    h.update(f"|{name}|{a.dtype.str}|{a.shape}|".encode() + a.tobytes())
+  return h.hexdigest()
+
+
 def save_cache(path: pathlib.Path, cache: ReferenceCache) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
+  """Writes the cache atomically, with a sha256 of its arrays and keys."""
   tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
-  np.savez(tmp, weights=cache.weights, nll=cache.nll, logp=cache.logp, prompt_len=cache.prompt_len,
-           keys=np.array(json.dumps(cache.keys, sort_keys=True)))
-  os.replace(tmp, path)
+  keys_json = json.dumps(cache.keys, sort_keys=True)
+  arrays = {name: getattr(cache, name) for name in _ARRAYS}
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp, **arrays, keys=np.array(keys_json), checksum=np.array(_checksum(arrays, keys_json)))
+    os.replace(tmp, path)
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise write_error(path, e) from None
 
 
 def load_cache(path: pathlib.Path, expected_keys: dict) -> ReferenceCache:
+  """The cache at `path`; CacheDamagedError when unreadable or not matching its checksum, UserError when stale."""
   try:
     with np.load(path, allow_pickle=False) as f:
-      keys = json.loads(str(f["keys"]))
-      cache = ReferenceCache(weights=f["weights"], nll=f["nll"], logp=f["logp"], prompt_len=f["prompt_len"],
-                             keys=keys)
-  except (OSError, ValueError, KeyError) as e:
-    raise PathError(f"{path}: not a readable reference cache ({e}); delete it and run "
-                    f"'erpo-jax weights' again") from None
+      keys_json = str(f["keys"])
+      arrays = {name: f[name] for name in _ARRAYS}
+      saved_checksum = str(f["checksum"]) if "checksum" in f.files else None
+    keys = json.loads(keys_json)
+  except Exception as e:  # pylint: disable=broad-except  (zipfile.BadZipFile, zlib.error, EOFError, ...)
+    raise CacheDamagedError(f"reference cache {path} is damaged ({type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:200]})") from None
+  if saved_checksum is not None and saved_checksum != _checksum(arrays, keys_json):
+    raise CacheDamagedError(f"reference cache {path} is damaged (its arrays differ from their checksum)")
+  cache = ReferenceCache(**arrays, keys=keys)
   stale = [k for k in expected_keys if keys.get(k) != expected_keys[k]]
   if stale:
     raise UserError(f"{path}: stale reference cache: its {', '.join(stale)} differ from this run's "
@@ -176,8 +203,14 @@ def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = 
   prompt_tokens = [tokens for tokens, _ in prompts]
   keys = expected_keys(cfg, model, tokenizer, prompt_tokens)
   path = cache_path(cfg)
+  if path.parent.exists() and not path.parent.is_dir():
+    raise PathError(f"erpo.cache_dir '{path.parent}' is a file; give a folder for the reference cache "
+                    f"(or erpo.cache_dir='' for <run.dir>/cache)")
   if path.exists() and not rebuild:
-    return load_cache(path, keys)
+    try:
+      return load_cache(path, keys)
+    except CacheDamagedError as e:
+      multihost.warn(f"{e}; recomputing it")
   logp, lengths = compute_reference_logp(model, prompt_tokens, mesh=mesh, chunk=cfg.model.logits_chunk,
                                          progress=cfg.log.progress)
   masks = [mask for _, mask in prompts] if cfg.erpo.query_span == "question" else None

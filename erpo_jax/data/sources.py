@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 import re
 from typing import Iterator
@@ -49,7 +50,10 @@ class RecordSource:
 
 def _jsonl_rows(path: pathlib.Path) -> Iterator[tuple[str, dict | None, str]]:
   """(where, row or None, error message) per non-blank line."""
-  data = path.read_bytes()
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise PathError(f"data file '{path}' cannot be read ({e.strerror or e})") from None
   for lineno, raw in enumerate(data.split(b"\n"), start=1):
     where = f"{path}:{lineno}"
     if not raw.strip():
@@ -91,8 +95,33 @@ def _parquet_columns(path: pathlib.Path) -> list[str]:
     raise DataError(f"{path}: not a readable parquet file ({e})") from None
 
 
+# Chat-template control tokens (ChatML, Llama 2/3, Gemma, and any `<|...|>` token): a data row holding one
+# could open a turn of its own in the rendered prompt.
+_CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>")
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_untrusted(prompt, answer: str, roles=CHAT_ROLES) -> None:
+  """Raises RowError for a non-finite ground truth, a chat role outside `roles`, or a control token in a role,
+  a message or the question."""
+  try:
+    number = float(answer.strip().replace(",", ""))
+  except ValueError:
+    number = 0.0
+  if not math.isfinite(number):
+    raise RowError("answer", f"ground truth {answer.strip()[:40]!r} is not a finite number")
+  turns = [("user", prompt)] if isinstance(prompt, str) else list(prompt)
+  for k, (role, content) in enumerate(turns):
+    field = "prompt" if isinstance(prompt, str) else f"prompt[{k}]"
+    if role not in roles:
+      raise RowError(f"{field}.role", f"role {role[:40]!r} is not one of {', '.join(roles)} (data.chat_roles)")
+    m = _CONTROL_TOKEN.search(content)
+    if m:
+      raise RowError(field, f"contains the chat-template control token {m.group(0)!r}")
+
+
 def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: str = "",  # pylint: disable=redefined-builtin
-              answer_column: str = "", on_bad_row: str = "error") -> RecordSource:
+              answer_column: str = "", on_bad_row: str = "error", roles=CHAT_ROLES) -> RecordSource:
   """Records of a .jsonl / .parquet file in one of the shapes of `erpo_jax.data.shapes`.
 
   format="auto" detects the shape from the columns (the parquet schema, or the first
@@ -115,11 +144,11 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
     rows, columns = _parquet_rows(p), _parquet_columns(p)
   else:
     raise PathError(f"data file '{p}': expected a .jsonl or .parquet file")
-  return _read_rows(p, rows, columns, format, prompt_column, answer_column, on_bad_row)
+  return _read_rows(p, rows, columns, format, prompt_column, answer_column, on_bad_row, roles)
 
 
 def _read_rows(p: pathlib.Path, rows, columns, format: str, prompt_column: str,  # pylint: disable=redefined-builtin
-               answer_column: str, on_bad_row: str) -> RecordSource:
+               answer_column: str, on_bad_row: str, roles=CHAT_ROLES) -> RecordSource:
   """Records of (where, row, error) triples, malformed rows raised or skipped per on_bad_row."""
   shape = None if format == "auto" else format
   if shape is None and columns is not None:
@@ -133,6 +162,7 @@ def _read_rows(p: pathlib.Path, rows, columns, format: str, prompt_column: str, 
     if row is not None:
       try:
         prompt, answer, level = parse_row(row, shape, prompt_column, answer_column)
+        check_untrusted(prompt, answer, roles)
         rid = _row_id(row, where, p)
         if rid in seen:
           raise RowError("id", f"duplicate id '{rid}' (first at {seen[rid]})")
@@ -282,7 +312,7 @@ def open_source(spec: str, data, *, size: int | None = None, seed: int | None = 
   if spec.startswith("builtin:"):
     raise ConfigError(f"data.source: unknown builtin data set '{spec}'; expected {BUILTIN_ARITHMETIC} or a file")
   return load_file(spec, format=data.format, prompt_column=data.prompt_column, answer_column=data.answer_column,
-                   on_bad_row=data.on_bad_row)
+                   on_bad_row=data.on_bad_row, roles=data.chat_roles)
 
 
 def train_source(cfg) -> RecordSource:

@@ -36,7 +36,7 @@ from erpo_jax.config import Config
 from erpo_jax.data.check import resolve_max_prompt_tokens
 from erpo_jax.data.prompts import encode_prompt
 from erpo_jax.data.sources import make_eval_source
-from erpo_jax.errors import ConfigError
+from erpo_jax.errors import ConfigError, PathError
 from erpo_jax.eval import passk
 from erpo_jax.eval.passk import MEAN, metric_names, temperature_key
 from erpo_jax.model.io.loading import load_model
@@ -270,6 +270,13 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   mesh = mesh_lib.make_mesh(cfg.mesh)
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
+  tensorboard = cfg.log.tensorboard
+  if multihost.is_main():  # and a folder the results cannot be written to
+    _check_writable(pathlib.Path(out).parent if out else pathlib.Path(cfg.run.dir) / "eval",
+                    "--out" if out else "run.dir")
+    if tensorboard and not _writable(pathlib.Path(cfg.run.dir) / "tb"):
+      multihost.warn(f"{pathlib.Path(cfg.run.dir) / 'tb'} is not writable: no TensorBoard scalars for this eval")
+      tensorboard = False
   model, tokenizer = load_model(cfg.model)
   step = None
   if checkpoint is not None:
@@ -286,11 +293,28 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
                                         (f"eval_step{step}.json" if step is not None else "eval_base.json"))
   if multihost.is_main():
     write_json(path, results)
-    if cfg.log.tensorboard:
+    if tensorboard:
       write_tensorboard(pathlib.Path(cfg.run.dir) / "tb", passk.scalars(results), step or 0)
   multihost.log(passk.format_table(results))
   multihost.log(f"eval results: {path}")
   return results
+
+
+def _writable(folder: pathlib.Path) -> bool:
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".write-test-{os.getpid()}"
+    probe.write_text("ok")
+    probe.unlink()
+    return True
+  except OSError:
+    return False
+
+
+def _check_writable(folder: pathlib.Path, what: str) -> None:
+  if not _writable(folder):
+    raise PathError(f"eval results cannot be written to '{folder}' (from {what}): it is not a writable folder; "
+                    "give --out <a file in a folder you can write>")
 
 
 def write_json(path: pathlib.Path, results: dict) -> None:

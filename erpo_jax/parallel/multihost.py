@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -234,6 +235,13 @@ def is_main() -> bool:
   """True on process 0, the one that prints logs and writes metrics. Call after start-up."""
   import jax  # config mistakes are reported before jax is imported (cli), so only here
   return jax.process_index() == 0
+
+
+def warn(msg: str) -> None:
+  """Prints `warning: msg` as one line on stderr, on process 0 only. Call after start-up."""
+  import jax  # config mistakes are reported before jax is imported (cli), so only here
+  if jax.process_index() == 0 or os.environ.get("ERPO_LOG_ALL") == "1":
+    print(f"warning: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
 
 
 def log(msg: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from erpo_jax.errors import NonFiniteError, PathError, UserError
 
@@ -23,6 +25,10 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 class CheckpointWriteError(PathError):
   """A checkpoint could not be written (disk full, folder removed); older checkpoints are intact."""
+
+
+class CheckpointDamagedError(PathError):
+  """A checkpoint on disk is incomplete or its arrays differ from the checksums saved with them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,39 @@ def all_finite(tree) -> bool:
 def _all_finite(leaves: list) -> jax.Array:
   # One program per tree structure, not one per leaf shape as eager ops would compile.
   return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def checksums(tree) -> list[str]:
+  """Per leaf (flattening order) a 64-bit checksum of its bytes, as hex.
+
+  Computed on the devices, so a sharded (multi-host) array needs no gather. The
+  two 32-bit lanes are sums of the array's words times odd position weights
+  (modulo 2**32), so any change of a single word always changes the checksum.
+  """
+  leaves = jax.tree.leaves(_pure(tree))
+  if not leaves:
+    return []
+  sums = np.asarray(jax.device_get(_checksums(leaves)))
+  return [f"{int(a):08x}{int(b):08x}" for a, b in sums]
+
+
+@jax.jit
+def _checksums(leaves: list) -> jax.Array:
+  out = []
+  for x in leaves:
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size])
+    words = words.reshape(-1).astype(jnp.uint32)
+    i = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    a = jnp.sum(words * (2 * i + 1), dtype=jnp.uint32)
+    b = jnp.sum((words ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B) * (2 * i + 3), dtype=jnp.uint32)
+    out.append(jnp.stack([a, b]))
+  return jnp.stack(out)
 
 
 # ---------------- data-iterator state
@@ -140,7 +179,9 @@ class Checkpointer:
       raise NonFiniteError(step, "parameters or optimizer state")
     trees = {"params": _pure(params), "opt_state": _pure(opt_state)}
     meta = {"step": step, "fingerprint": self.fingerprint, "rng": _key_to_json(rng_key), "config": config_text,
-            "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()}}
+            "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()},
+            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), checksums(t))]
+                          for k, t in trees.items()}}
     # Orbax refuses trees without leaves (optax.sgd's state); they hold nothing to save.
     items = {k: ocp.args.StandardSave(t) for k, t in trees.items() if jax.tree.leaves(t)}
     args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta), data=_DataStateSave(data_state))
@@ -171,7 +212,10 @@ class Checkpointer:
   def restore(self, step: int | None = None, *, params_target, opt_state_target) -> RestoredState:
     """Restores checkpoint `step` (default: latest) onto the shapes, dtypes and shardings of the targets.
 
-    Targets are the live params / optimizer state, or ShapeDtypeStructs.
+    Targets are the live params / optimizer state, or ShapeDtypeStructs. Raises
+    CheckpointDamagedError when the checkpoint cannot be read or its arrays differ
+    from the checksums saved with them, UserError when it belongs to another model
+    or optimizer.
     """
     self.wait()
     steps = self.all_steps()
@@ -182,25 +226,85 @@ class Checkpointer:
     if step not in steps:
       raise PathError(f"checkpoint step {step} not found in {self.directory}; complete steps: {steps}")
     where = self.directory / str(step)
-    meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    if meta["fingerprint"] != self.fingerprint:
-      raise UserError(f"checkpoint {where} was written for model '{meta['fingerprint']}', but this run's model is "
+    try:
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      saved_fingerprint, saved_leaves = meta["fingerprint"], meta["leaves"]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {where}: its metadata cannot be read ({_first_line(e)})") from None
+    if saved_fingerprint != self.fingerprint:
+      raise UserError(f"checkpoint {where} was written for model '{saved_fingerprint}', but this run's model is "
                       f"'{self.fingerprint}'; use the same model and tokenizer, or a fresh run.dir")
-    _check_params_fit(self._mgr.item_metadata(step).params, params_target, where, meta["fingerprint"])
     targets = {"params": params_target, "opt_state": opt_state_target}
+    saved_items = {}
+    for k in targets:
+      try:
+        saved_items[k] = getattr(self._mgr.item_metadata(step), k, None) if saved_leaves[k] else {}
+      except Exception as e:  # pylint: disable=broad-except
+        raise CheckpointDamagedError(f"checkpoint {where}: its {k} cannot be read ({_first_line(e)})") from None
+      if saved_items[k] is None:
+        raise CheckpointDamagedError(f"checkpoint {where}: its {k} folder is missing or incomplete")
+    _check_params_fit(saved_items["params"], params_target, where, saved_fingerprint)
     for k, t in targets.items():
-      if len(jax.tree.leaves(_pure(t))) != meta["leaves"][k]:
-        raise UserError(f"checkpoint {where} holds {meta['leaves'][k]} {k} arrays, this run has "
+      if len(jax.tree.leaves(_pure(t))) != saved_leaves[k]:
+        raise UserError(f"checkpoint {where} holds {saved_leaves[k]} {k} arrays, this run has "
                         f"{len(jax.tree.leaves(_pure(t)))}; resume with the settings it was saved with")
-    items = {k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items() if meta["leaves"][k]}
+    saved_opt = sorted(_shapes(getattr(saved_items["opt_state"], "tree", saved_items["opt_state"])).values())
+    if saved_leaves["opt_state"] and saved_opt != sorted(_shapes(_pure(opt_state_target)).values()):
+      raise UserError(f"checkpoint {where} holds optimizer state of other shapes than this run's "
+                      f"optimizer; resume with the settings it was saved with")
+    items = {k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items() if saved_leaves[k]}
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(**items, data=_DataStateRestore()))
-    except ValueError as e:
-      raise UserError(f"checkpoint {where} cannot be restored into this run's params/optimizer state "
-                      f"({_first_line(e)}); resume with the settings it was saved with") from None
+    except UserError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {where}: its arrays cannot be read ({_first_line(e)})") from None
+    for k in items:
+      bad = _checksum_mismatch(out[k], meta.get("checksums", {}).get(k))
+      if bad is not None:
+        raise CheckpointDamagedError(f"checkpoint {where}: {k} array '{bad}' differs from its saved checksum")
     restored = {k: _like(t, out[k]) if k in items else t for k, t in targets.items()}
     return RestoredState(step=step, params=restored["params"], opt_state=restored["opt_state"],
                          rng_key=_key_from_json(meta["rng"]), data_state=out.data, config_text=meta["config"])
+
+  def restore_latest_intact(self, *, params_target, opt_state_target, warn=None) -> RestoredState | None:
+    """Restores the newest checkpoint that is complete and matches its checksums; None when there is none.
+
+    Each damaged newer checkpoint is reported through `warn` (one line: which and
+    why) and moved aside to `<step>.damaged` so that its step can be saved again.
+    Raises CheckpointDamagedError when checkpoints exist but none is intact.
+    """
+    self.wait()
+    damaged = []
+    for step in reversed(self.all_steps()):
+      try:
+        restored = self.restore(step, params_target=params_target, opt_state_target=opt_state_target)
+      except CheckpointDamagedError as e:
+        damaged.append((step, str(e)))
+        continue
+      for _, message in damaged:
+        if warn is not None:
+          warn(f"{message}; resuming from the newest intact checkpoint, step {step}")
+      self._set_aside(s for s in self.all_steps() if s > step)
+      return restored
+    if damaged:
+      reasons = "; ".join(f"{CHECKPOINTS_DIR}/{s}: {m.split(': ', 1)[-1][:90]}" for s, m in damaged)
+      raise CheckpointDamagedError(f"no intact checkpoint in {self.directory} ({reasons}); restore the folder "
+                                   "from a backup or start a fresh run.dir")
+    return None
+
+  def _set_aside(self, steps) -> None:
+    """Renames damaged step folders to `<step>.damaged[.n]`, which no step listing counts."""
+    if jax.process_index() == 0:
+      for step in list(steps):
+        src = self.directory / str(step)
+        dst, n = self.directory / f"{step}.damaged", 1
+        while dst.exists():
+          dst, n = self.directory / f"{step}.damaged.{n}", n + 1
+        os.rename(src, dst)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("erpo-jax: damaged checkpoints set aside")
+    self._mgr.reload()
 
   def close(self) -> None:
     """Waits for pending writes (see `wait`) and releases Orbax's threads."""
@@ -262,9 +366,18 @@ def restore_params(model: nnx.Module, checkpoint: str, run_dir):
   step_dir = find_checkpoint(checkpoint, run_dir).absolute()
   state = nnx.state(model, nnx.Param)
   with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-    saved = ckptr.metadata(step_dir / "params").item_metadata
+    try:
+      saved = ckptr.metadata(step_dir / "params").item_metadata
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {step_dir}: its params cannot be read ({_first_line(e)})") from None
     _check_params_fit(saved, state, step_dir, _saved_fingerprint(step_dir))
-    restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(_abstract(state)))
+    try:
+      restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(_abstract(state)))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointDamagedError(f"checkpoint {step_dir}: its arrays cannot be read ({_first_line(e)})") from None
+  bad = _checksum_mismatch(restored, _saved_meta(step_dir).get("checksums", {}).get("params"))
+  if bad is not None:
+    raise CheckpointDamagedError(f"checkpoint {step_dir}: params array '{bad}' differs from its saved checksum")
   nnx.replace_by_pure_dict(state, restored)
   nnx.update(model, state)
   return model
@@ -285,6 +398,22 @@ def _check_params_fit(saved, target, where, fingerprint: str) -> None:
   if problem:
     raise UserError(f"checkpoint {where} was written for model '{fingerprint}' and does not fit this model: "
                     f"{problem}")
+
+
+def _checksum_mismatch(restored, saved: list | None) -> str | None:
+  """The name of the first restored leaf whose checksum differs from `saved`; None when all match.
+
+  Leaves restored into another dtype than they were saved in (and checkpoints
+  written before checksums were saved) are not compared.
+  """
+  if not saved:
+    return None
+  flat, _ = jax.tree_util.tree_flatten_with_path(restored)
+  sums = checksums([x for _, x in flat])
+  for (path, x), got, (dtype, want) in zip(flat, sums, saved):
+    if dtype == str(x.dtype) and got != want:
+      return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  return None
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -335,13 +464,20 @@ def _key_from_json(d: dict) -> jax.Array:
   return data if d["impl"] is None else jax.random.wrap_key_data(data, impl=d["impl"])
 
 
-def _saved_fingerprint(step_dir: pathlib.Path) -> str:
+def _saved_meta(step_dir: pathlib.Path) -> dict:
+  """The meta item of a step folder ({} when it cannot be read)."""
   try:
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-      return ckptr.restore(step_dir / "meta", args=ocp.args.JsonRestore())["fingerprint"]
+      meta = ckptr.restore(step_dir / "meta", args=ocp.args.JsonRestore())
+    return meta if isinstance(meta, dict) else {}
   except Exception:  # pylint: disable=broad-except
-    return "unknown"
+    return {}
+
+
+def _saved_fingerprint(step_dir: pathlib.Path) -> str:
+  return _saved_meta(step_dir).get("fingerprint", "unknown")
 
 
 def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+  line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  return line.split(" See full TensorStore details")[0][:300]

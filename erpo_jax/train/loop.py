@@ -7,6 +7,7 @@ train/batch.py, the update in train/step.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ from erpo_jax.config_io import dump_config
 from erpo_jax.data.check import resolve_max_prompt_tokens
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
-from erpo_jax.errors import ConfigError, NonFiniteError, PathError
+from erpo_jax.errors import ConfigError, NonFiniteError, PathError, write_error
 from erpo_jax.eval.evaluate import eval_during_training
 from erpo_jax.metrics import MetricsWriter, truncate_jsonl
 from erpo_jax.model.io.loading import load_model, load_tokenizer
@@ -37,6 +38,7 @@ from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, all_finite, model_fingerprint
+from erpo_jax.train.run_folder import RunLock, check_resume_config
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -58,8 +60,12 @@ def prepare_run_dir(cfg: Config) -> pathlib.Path:
 
 def write_config(run_dir: pathlib.Path, cfg: Config) -> None:
   tmp = run_dir / "config.yaml.tmp"
-  tmp.write_text(dump_config(cfg))
-  os.replace(tmp, run_dir / "config.yaml")
+  try:
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise write_error(run_dir / "config.yaml", e) from None
 
 
 class _Preemption:
@@ -92,12 +98,21 @@ class Hooks:
   scored: Callable[[int, RewardResult], RewardResult] = lambda step, scored: scored
 
 
-def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
-  """Runs (or resumes) a training run; returns the last step's metrics."""
-  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
+def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hooks()) -> dict[str, float]:
+  """Runs (or resumes) a training run; returns the last step's metrics.
 
-  # --- set-up: run folder, mesh, models, optimizer, data, sampler, verifier
+  Holds the run folder's lock throughout; a resume whose config changes what
+  the run computes is refused unless `allow_config_change` (see run_folder).
+  """
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   run_dir = prepare_run_dir(cfg)
+  with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
+    return _train(cfg, run_dir, allow_config_change, hooks)
+
+
+def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks: Hooks) -> dict[str, float]:
+
+  # --- set-up: mesh, models, optimizer, data, sampler, verifier
   mesh = mesh_lib.make_mesh(cfg.mesh)
   if cfg.data.batch_size * cfg.rollout.group_size % mesh_lib.num_batch_shards(mesh):
     raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
@@ -137,9 +152,10 @@ def train(cfg: Config, *, hooks: Hooks = Hooks()) -> dict[str, float]:
   ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                       async_save=cfg.checkpoint.async_save, fingerprint=model_fingerprint(model.cfg, tokenizer.fingerprint()))
   start = 0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    restored = ckpt.restore(latest, params_target=params, opt_state_target=opt_state)
+  restored = ckpt.restore_latest_intact(params_target=params, opt_state_target=opt_state, warn=multihost.warn)
+  if restored is not None:
+    check_resume_config(run_dir, cfg, saved_text=restored.config_text, allow=allow_config_change,
+                        warn=multihost.log)
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")

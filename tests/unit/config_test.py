@@ -88,3 +88,64 @@ def test_cli_prints_one_line_and_exits_2_without_traceback(args, needle):
   assert needle in res.stderr
   assert "Traceback" not in res.stderr
   assert len(res.stderr.strip().splitlines()) == 1
+
+
+# ---------------- YAML that a config must not be: tags, complex keys, alias cycles and bombs
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("train:\n  steps: !!python/object/apply:os.system ['echo pwned']\n",
+     "bad.yaml:2: invalid YAML (tags such as '!!python/object/apply:os.system' are not allowed"),
+    ("optim:\n  lr: !!float abc\n", "bad.yaml:2: invalid YAML (tags such as '!!float' are not allowed"),
+    ("? [train, steps]\n: 3\n", "bad.yaml:1: invalid YAML (a mapping key must be a plain value"),
+    ("train: &t\n  steps: *t\n", "invalid YAML (an alias refers to itself)"),
+    (ALIAS_BOMB, "invalid YAML (aliases expand to more than 10000 values)"),
+])
+def test_yaml_tags_complex_keys_and_alias_tricks_are_one_line_config_errors(tmp_path, text, needle):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  with pytest.raises(ConfigError) as e:
+    load_config(path)
+  assert needle in str(e.value)
+  assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+def test_aliases_within_the_budget_still_work(tmp_path):
+  path = tmp_path / "ok.yaml"
+  path.write_text("model:\n  path: random\neval:\n  temperatures: &t [0.0, 1.0]\n  sets: [builtin:arithmetic]\n"
+                  "x_unused: *t\n")
+  with pytest.raises(ConfigError, match="unknown config key 'x_unused'"):
+    load_config(path)
+  path.write_text("model:\n  path: random\ntrain: &t\n  steps: 3\n")
+  assert load_config(path).train.steps == 3
+
+
+def test_a_large_list_value_is_reported_in_a_short_line(tmp_path):
+  path = tmp_path / "big.yaml"
+  path.write_text("train:\n  steps: [&a [" + ", ".join(["xxxxxxxxxx"] * 90) + "], *a, *a, *a, *a, *a]\n")
+  with pytest.raises(ConfigError) as e:
+    load_config(path)
+  assert "train.steps: expected an integer" in str(e.value)
+  assert len(str(e.value).split("got ", 1)[1]) <= 80
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.lr=!!float abc", "override 'optim.lr=!!float abc': invalid YAML (tags such as '!!float'"),
+    ("train.seed=1180591620717411303424", "train.seed: expected an integer in [-2**63, 2**63)"),
+    ("reward.timeout_s=.inf", "reward.timeout_s: expected a number of seconds in (0, 3600], got inf"),
+    ("eval.batch_size=0", "eval.batch_size: expected an integer >= 1, got 0"),
+    ("model.random_init.head_dim=7", "model.random_init.head_dim: expected an even number (RoPE rotates pairs)"),
+    ("run.dir=", "run.dir: expected a folder"),
+    ("run.dir=  ", "run.dir: expected a folder"),
+])
+def test_values_that_used_to_crash_later_are_refused_by_the_config(override, needle):
+  with pytest.raises(ConfigError) as e:
+    load_config("configs/tiny.yaml", [override])
+  assert needle in str(e.value)
+
+
+def test_override_values_that_are_not_yaml_stay_text():
+  assert load_config("configs/tiny.yaml", ["data.system_prompt=[unclosed"]).data.system_prompt == "[unclosed"

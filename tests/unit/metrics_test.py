@@ -53,6 +53,15 @@ def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
   assert tb["reward/mean"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
 
 
+def test_resume_drops_lines_that_are_not_utf8_json_objects(tmp_path):
+  _write_steps(tmp_path, [1, 2])
+  with open(tmp_path / "metrics.jsonl", "ab") as f:
+    f.write(b'{"step": 3, "note": "caf\xe9 \xff"}\n[1, 2]\n{"step": "x"}\n')
+  _write_steps(tmp_path, [3], start_step=2, scale=10.0)
+  rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["reward/mean"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_fresh_start_replaces_old_metrics(tmp_path):
   _write_steps(tmp_path, [1, 2])
   _write_steps(tmp_path, [1], scale=7.0)
@@ -123,3 +132,26 @@ def test_reader_stops_at_a_torn_event_record(tmp_path):
   tb = metrics.read_tensorboard_scalars(tmp_path / "tb")
   assert tb["reward/mean"] == [(1, 1.0), (2, 2.0)]
   assert tb["response/len_max"] == [(1, 1.0)]
+
+
+def test_a_stopped_tensorboard_writer_is_a_path_error_not_a_hang(tmp_path, monkeypatch):
+  import errno
+  import threading
+  from erpo_jax.errors import PathError
+  from tensorboardX import event_file_writer
+
+  def full_disk(self, event):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  w = metrics.MetricsWriter(tmp_path, total_steps=5, progress=False)
+  monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", full_disk)
+  monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the writer thread's own report
+  w.write(1, {"reward/mean": 1.0})
+  worker = w._tb.file_writer.event_writer._worker  # pylint: disable=protected-access
+  worker.join(timeout=30)
+  assert not worker.is_alive()
+  with pytest.raises(PathError, match=r"tb' cannot be written: the TensorBoard writer stopped"):
+    for step in range(2, 40):  # more events than the writer's queue holds
+      w.write(step, {"reward/mean": float(step)})
+  w.close()
+  assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]

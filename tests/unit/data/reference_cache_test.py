@@ -1,6 +1,7 @@
 """`erpo-jax weights`: the static weights and reference prompt cache, checked independently; stale caches refused."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from erpo_jax.config_io import load_config
 from erpo_jax import metrics
 from erpo_jax.data import reference_cache as static_weights
 from erpo_jax.data.pipeline import dataset_prompts
-from erpo_jax.errors import UserError
+from erpo_jax.errors import PathError, UserError
 from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 
@@ -73,3 +74,59 @@ def test_cli_weights_rebuilds_and_prints_a_summary(tmp_path):
   assert summary["clipped_at_lo"] == pytest.approx(np.mean(w <= 0.0))
   histograms = metrics.read_tensorboard_histograms(tmp_path / "tb")
   assert histograms["weights/static"] == [(0, 8)] and histograms["weights/reference_nll"] == [(0, 8)]
+
+
+def _truncate(path):
+  path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+def _flip_a_bit(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def _altered_array(path):
+  with np.load(path) as f:
+    arrays = {k: f[k] for k in f.files}
+  arrays["logp"] = arrays["logp"] + np.float32(0.5)  # a valid file whose arrays no longer match the checksum
+  np.savez(path, **arrays)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+  """(config, model, tokenizer, cache) of a cache built once."""
+  cfg = tiny(tmp_path_factory.mktemp("cache"))
+  model, tokenizer = load_model(cfg.model)
+  return cfg, model, tokenizer, static_weights.ensure_reference_cache(cfg, model, tokenizer)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_bit, _altered_array], ids=["truncated", "bit flipped",
+                                                                                    "array altered"])
+def test_a_damaged_cache_file_is_refused_as_damaged(tmp_path, built, damage):
+  path = tmp_path / "reference_cache.npz"
+  shutil.copy(static_weights.cache_path(built[0]), path)
+  static_weights.load_cache(path, {})  # intact
+  damage(path)
+  with pytest.raises(static_weights.CacheDamagedError, match=r"reference cache .* is damaged \(.+\)"):
+    static_weights.load_cache(path, {})
+
+
+def test_a_damaged_cache_is_recomputed_with_a_one_line_warning(built, capsys):
+  cfg, model, tokenizer, good = built
+  _flip_a_bit(static_weights.cache_path(cfg))
+  capsys.readouterr()
+  again = static_weights.ensure_reference_cache(cfg, model, tokenizer)
+  err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(err) == 1 and err[0].startswith("warning: reference cache") and "recomputing" in err[0], err
+  np.testing.assert_array_equal(again.weights, good.weights)
+  np.testing.assert_array_equal(again.logp, good.logp)
+  static_weights.load_cache(static_weights.cache_path(cfg), {})  # rewritten intact
+
+
+def test_cache_dir_that_is_a_file_is_a_path_error(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  cfg = tiny(tmp_path, f"erpo.cache_dir={tmp_path / 'afile'}")
+  model, tokenizer = load_model(cfg.model)
+  with pytest.raises(PathError, match=r"erpo.cache_dir '.*afile' is a file"):
+    static_weights.ensure_reference_cache(cfg, model, tokenizer)

@@ -320,3 +320,114 @@ def test_restore_params_refuses_missing_checkpoints_and_other_models(tmp_path, t
              r"checkpoint but \(64, 16\)"
   with pytest.raises(UserError, match=expected):
     ck.restore_params(model, "latest", tmp_path)
+
+
+# ---------------- integrity: damaged checkpoints are found and the newest intact one is used
+
+
+def _largest_file(folder):
+  return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _overwrite_4k(step_dir):
+  f = _largest_file(step_dir / "params")
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+  f.write_bytes(bytes(data))
+
+
+def _truncate(step_dir):
+  f = _largest_file(step_dir / "params")
+  os.truncate(f, f.stat().st_size // 2)
+
+
+def _empty(step_dir):
+  for f in step_dir.rglob("*"):
+    if f.is_file():
+      os.truncate(f, 0)
+
+
+def _no_params(step_dir):
+  shutil.rmtree(step_dir / "params")
+
+
+DAMAGE = {"4 KB overwritten": _overwrite_4k, "truncated": _truncate, "emptied": _empty,
+          "params folder missing": _no_params}
+
+
+def _big_params(seed):
+  return {"w": jax.random.normal(jax.random.key(seed), (256, 64), jnp.float32)}
+
+
+def test_checksums_change_with_any_single_word_and_not_otherwise():
+  x = jnp.arange(1000, dtype=jnp.float32)
+  base = ck.checksums({"x": x, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
+  assert base == ck.checksums({"x": x + 0, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
+  for k in (0, 1, 500, 999):
+    assert ck.checksums({"x": x.at[k].set(-1.0)})[0] != base[2]  # leaves flatten as b, i, x
+  swapped = x.at[0].set(x[1]).at[1].set(x[0])
+  assert ck.checksums({"x": swapped})[0] != base[2]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_with_a_warning(tmp_path, damage):
+  with ck.Checkpointer(tmp_path, every=1, keep=3, fingerprint=FP) as c:
+    for step in (1, 2, 3):
+      _save(c, step, _big_params(step))
+  DAMAGE[damage](tmp_path / "checkpoints" / "3")
+  warnings = []
+  with ck.Checkpointer(tmp_path, every=1, keep=3, fingerprint=FP) as c:
+    with pytest.raises(ck.CheckpointDamagedError, match="checkpoint .*checkpoints/3"):
+      c.restore(3, params_target=_big_params(0), opt_state_target={})
+    r = c.restore_latest_intact(params_target=_big_params(0), opt_state_target={}, warn=warnings.append)
+    assert r.step == 2
+    _assert_bit_equal(r.params, _big_params(2))
+    assert len(warnings) == 1 and "checkpoints/3" in warnings[0] and "step 2" in warnings[0], warnings
+    # The damaged folder is set aside, so step 3 can be written again and is the latest.
+    assert c.all_steps() == [1, 2] and (tmp_path / "checkpoints" / "3.damaged").is_dir()
+    _save(c, 3, _big_params(7))
+    assert c.restore(params_target=_big_params(0), opt_state_target={}).step == 3
+
+
+def test_readable_arrays_that_differ_from_their_checksums_are_refused(tmp_path):
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    for step in (1, 2):
+      _save(c, step, _big_params(step))
+  step_dir = tmp_path / "checkpoints"
+  shutil.rmtree(step_dir / "2" / "params")
+  shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")  # valid arrays, other values
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    with pytest.raises(ck.CheckpointDamagedError, match="params array 'w' differs from its saved checksum"):
+      c.restore(2, params_target=_big_params(0), opt_state_target={})
+
+
+def test_no_intact_checkpoint_is_one_error_naming_each(tmp_path):
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    for step in (1, 2):
+      _save(c, step, _big_params(step))
+  _overwrite_4k(tmp_path / "checkpoints" / "2")
+  _no_params(tmp_path / "checkpoints" / "1")
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    with pytest.raises(ck.CheckpointDamagedError, match=r"no intact checkpoint in .*checkpoints/2.*checkpoints/1"):
+      c.restore_latest_intact(params_target=_big_params(0), opt_state_target={})
+
+
+def test_fresh_folder_restores_nothing(tmp_path):
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    assert c.restore_latest_intact(params_target=_big_params(0), opt_state_target={}) is None
+
+
+def test_restore_params_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_models):
+  trained, other, target = tiny_models
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    _save(c, 1, nnx.state(other, nnx.Param))
+    _save(c, 2, nnx.state(trained, nnx.Param))
+  step_dir = tmp_path / "checkpoints"
+  shutil.rmtree(step_dir / "2" / "params")
+  shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")
+  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/2: params array '.*' differs from its saved"):
+    ck.restore_params(target, "latest", tmp_path)
+  _truncate(step_dir / "1")
+  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/1: its arrays cannot be read"):
+    ck.restore_params(target, "1", tmp_path)

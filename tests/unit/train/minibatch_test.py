@@ -29,7 +29,7 @@ def test_each_of_m_minibatches_of_m_copies_is_the_step_of_one_copy():
   # Each update's gradient has the norm of one copy's (not a third of it), and its loss is one copy's loss.
   assert float(m3["optim/grad_norm"]) == pytest.approx(float(m1["optim/grad_norm"]), rel=1e-5)
   for key in ("loss/total", "loss/pg", "loss/kl", "kl/query", "kl/policy", "clip/low", "ratio/mean"):
-    assert float(m3[key]) == pytest.approx(float(m1[key]), rel=1e-5, abs=1e-7), key
+    assert float(m3[key]) == pytest.approx(float(m1[key]), rel=1e-5, abs=1e-6), key  # loss/pg is ~0 here
 
 
 @pytest.mark.parametrize("weights", ["static", "dynamic"])
@@ -37,8 +37,11 @@ def test_microbatches_1_2_4_give_the_same_update(weights):
   batch = st.make_batch(seed=3, n=4 * st.G)
   out = {}
   for k in (1, 2, 4):
+    # Adam divides each gradient element by its size: with its default eps = 1e-8 an element near 0 turns a
+    # float rounding difference of the summation order into a visible step; eps = 1e-3 keeps the update a
+    # smooth function of the gradient, so equal gradients show as equal updates.
     cfg = st.tiny_cfg("data.batch_size=4", f"ppo.microbatches={k}", f"erpo.weights={weights}", "erpo.kl_on=all",
-                      "erpo.alpha=0.5", "optim.lr=1e-3")
+                      "erpo.alpha=0.5", "optim.lr=1e-3", "optim.eps=1e-3")
     step, _, params, ref, opt = st.build(cfg)
     new_params, _, metrics = step(params, opt, ref, batch)
     out[k] = ([np.asarray(x) for x in jax.tree.leaves(new_params)], {n: float(v) for n, v in metrics.items()})
