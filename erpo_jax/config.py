@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Literal
 
-from erpo_jax.errors import ConfigError
-
-
-def _check(cond: bool, key: str, expected: str, value: Any) -> None:
-  if not cond:
-    raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+from erpo_jax.config_run import (
+  CheckpointSection,
+  EvalSection,
+  ExperimentSection,
+  LogSection,
+  MeshSection,
+  RunSection,
+  TrainSection,
+  check_field,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +45,12 @@ class RandomInitConfig:
     for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
               "head_dim", "intermediate_size", "max_position_embeddings"):
       v = getattr(self, f)
-      _check(v >= 1, f"model.random_init.{f}", "a positive integer", v)
-    _check(self.num_heads % self.num_kv_heads == 0, "model.random_init.num_kv_heads",
+      check_field(v >= 1, f"model.random_init.{f}", "a positive integer", v)
+    check_field(self.num_heads % self.num_kv_heads == 0, "model.random_init.num_kv_heads",
            f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
-    _check(self.head_dim % 2 == 0, "model.random_init.head_dim", "an even number (RoPE rotates pairs)",
+    check_field(self.head_dim % 2 == 0, "model.random_init.head_dim", "an even number (RoPE rotates pairs)",
            self.head_dim)
-    _check(0 < self.rope_theta < math.inf, "model.random_init.rope_theta", "a finite positive number",
+    check_field(0 < self.rope_theta < math.inf, "model.random_init.rope_theta", "a finite positive number",
            self.rope_theta)
 
 
@@ -71,8 +75,8 @@ class ModelSection:
   pack_responses: bool = True
 
   def __post_init__(self):
-    _check(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)
-    _check(self.logits_chunk >= 1, "model.logits_chunk", "a positive integer", self.logits_chunk)
+    check_field(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)
+    check_field(self.logits_chunk >= 1, "model.logits_chunk", "a positive integer", self.logits_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +108,13 @@ class DataSection:
   num_workers: int = 0  # Grain worker processes (0 = in the main process)
 
   def __post_init__(self):
-    _check(self.size >= 1, "data.size", "a positive integer", self.size)
-    _check(self.batch_size >= 1, "data.batch_size", "a positive integer", self.batch_size)
-    _check(self.max_prompt_tokens == 0 or self.max_prompt_tokens >= 2, "data.max_prompt_tokens",
+    check_field(self.size >= 1, "data.size", "a positive integer", self.size)
+    check_field(self.batch_size >= 1, "data.batch_size", "a positive integer", self.batch_size)
+    check_field(self.max_prompt_tokens == 0 or self.max_prompt_tokens >= 2, "data.max_prompt_tokens",
            "0 (auto) or an integer >= 2", self.max_prompt_tokens)
-    _check(all(1 <= l <= 5 for l in self.levels) and len(self.levels) > 0, "data.levels",
+    check_field(all(1 <= l <= 5 for l in self.levels) and len(self.levels) > 0, "data.levels",
            "a non-empty list of levels in 1..5", self.levels)
-    _check(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
+    check_field(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +131,10 @@ class RewardSection:
   format_bonus: float = 0.0  # added when an answer could be extracted
 
   def __post_init__(self):
-    _check(0 < self.timeout_s <= 3600, "reward.timeout_s", "a number of seconds in (0, 3600]", self.timeout_s)
-    _check(self.workers >= 1, "reward.workers", "an integer >= 1", self.workers)
+    check_field(0 < self.timeout_s <= 3600, "reward.timeout_s", "a number of seconds in (0, 3600]", self.timeout_s)
+    check_field(self.workers >= 1, "reward.workers", "an integer >= 1", self.workers)
     for f in ("correct", "wrong", "format_bonus"):  # a NaN/Inf reward would make every advantage NaN
-      _check(math.isfinite(getattr(self, f)), f"reward.{f}", "a finite number", getattr(self, f))
+      check_field(math.isfinite(getattr(self, f)), f"reward.{f}", "a finite number", getattr(self, f))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +147,11 @@ class RolloutSection:
   min_prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
 
   def __post_init__(self):
-    _check(self.group_size >= 1, "rollout.group_size", "an integer >= 1", self.group_size)
-    _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
-    _check(self.temperature >= 0, "rollout.temperature", "a number >= 0", self.temperature)
-    _check(0 < self.top_p <= 1, "rollout.top_p", "a number in (0, 1]", self.top_p)
-    _check(self.top_k >= 0, "rollout.top_k", "an integer >= 0", self.top_k)
+    check_field(self.group_size >= 1, "rollout.group_size", "an integer >= 1", self.group_size)
+    check_field(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
+    check_field(self.temperature >= 0, "rollout.temperature", "a number >= 0", self.temperature)
+    check_field(0 < self.top_p <= 1, "rollout.top_p", "a number in (0, 1]", self.top_p)
+    check_field(self.top_k >= 0, "rollout.top_k", "an integer >= 0", self.top_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,16 +176,16 @@ class ErpoSection:
   query_span: Literal["prompt", "question"] = "prompt"
 
   def __post_init__(self):
-    _check(self.alpha >= 0, "erpo.alpha", "a number >= 0", self.alpha)
-    _check(math.isfinite(self.alpha), "erpo.alpha", "a finite number", self.alpha)
-    _check(self.log_ratio_clamp > 0, "erpo.log_ratio_clamp", "a positive number", self.log_ratio_clamp)
-    _check(self.kl_max > 0, "erpo.kl_max", "a positive number", self.kl_max)
+    check_field(self.alpha >= 0, "erpo.alpha", "a number >= 0", self.alpha)
+    check_field(math.isfinite(self.alpha), "erpo.alpha", "a finite number", self.alpha)
+    check_field(self.log_ratio_clamp > 0, "erpo.log_ratio_clamp", "a positive number", self.log_ratio_clamp)
+    check_field(self.kl_max > 0, "erpo.kl_max", "a positive number", self.kl_max)
     lo, hi = self.static_clip
-    _check(0 <= lo < hi, "erpo.static_clip", "[lo, hi] with 0 <= lo < hi", self.static_clip)
+    check_field(0 <= lo < hi, "erpo.static_clip", "[lo, hi] with 0 <= lo < hi", self.static_clip)
     if self.dynamic_clip is not None:
       lo, hi = self.dynamic_clip
-      _check(0 <= lo < hi, "erpo.dynamic_clip", "null or [lo, hi] with 0 <= lo < hi", self.dynamic_clip)
-    _check(not (self.reference == "cached" and self.kl_on in ("response", "all")), "erpo.reference",
+      check_field(0 <= lo < hi, "erpo.dynamic_clip", "null or [lo, hi] with 0 <= lo < hi", self.dynamic_clip)
+    check_field(not (self.reference == "cached" and self.kl_on in ("response", "all")), "erpo.reference",
            "'forward' when erpo.kl_on is response or all (cached reference covers prompt tokens only)",
            self.reference)
 
@@ -204,16 +208,16 @@ class PpoSection:
   entropy_coef: float = 0.0
 
   def __post_init__(self):
-    _check(0 <= self.eps_low < 1, "ppo.eps_low", "a number in [0, 1)", self.eps_low)
-    _check(self.eps_high >= 0, "ppo.eps_high", "a number >= 0", self.eps_high)
-    _check(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "null or a number > 1", self.dual_clip)
-    _check(self.minibatches >= 1, "ppo.minibatches", "an integer >= 1", self.minibatches)
-    _check(self.microbatches >= 1, "ppo.microbatches", "an integer >= 1", self.microbatches)
-    _check(self.epochs >= 1, "ppo.epochs", "an integer >= 1", self.epochs)
+    check_field(0 <= self.eps_low < 1, "ppo.eps_low", "a number in [0, 1)", self.eps_low)
+    check_field(self.eps_high >= 0, "ppo.eps_high", "a number >= 0", self.eps_high)
+    check_field(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", "null or a number > 1", self.dual_clip)
+    check_field(self.minibatches >= 1, "ppo.minibatches", "an integer >= 1", self.minibatches)
+    check_field(self.microbatches >= 1, "ppo.microbatches", "an integer >= 1", self.microbatches)
+    check_field(self.epochs >= 1, "ppo.epochs", "an integer >= 1", self.epochs)
     # With eps = 0 a group whose rewards are all equal divides 0 by 0.
-    _check(0 < self.advantage_eps < math.inf or self.advantage_scale == "none", "ppo.advantage_eps",
+    check_field(0 < self.advantage_eps < math.inf or self.advantage_scale == "none", "ppo.advantage_eps",
            "a finite number > 0 (or ppo.advantage_scale=none)", self.advantage_eps)
-    _check(math.isfinite(self.entropy_coef), "ppo.entropy_coef", "a finite number", self.entropy_coef)
+    check_field(math.isfinite(self.entropy_coef), "ppo.entropy_coef", "a finite number", self.entropy_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,101 +232,14 @@ class OptimSection:
   eps: float = 1e-8
 
   def __post_init__(self):
-    _check(self.lr > 0, "optim.lr", "a positive number", self.lr)
-    _check(math.isfinite(self.lr), "optim.lr", "a finite number", self.lr)
-    _check(0 <= self.b1 < 1, "optim.b1", "a number in [0, 1)", self.b1)
-    _check(0 <= self.b2 < 1, "optim.b2", "a number in [0, 1)", self.b2)
-    _check(0 < self.eps < math.inf, "optim.eps", "a finite positive number", self.eps)
-    _check(self.weight_decay >= 0, "optim.weight_decay", "a number >= 0", self.weight_decay)
-    _check(self.grad_clip >= 0, "optim.grad_clip", "a number >= 0", self.grad_clip)
-    _check(self.warmup_steps >= 0, "optim.warmup_steps", "an integer >= 0", self.warmup_steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSection:
-  steps: int = 30  # update batches
-  seed: int = 0  # sampling PRNG seed
-  skip_nonfinite: bool = False  # skip an update with NaN/Inf instead of stopping
-  eval_every: int = 0  # 0 = no eval during training
-  log_every: int = 1
-
-  def __post_init__(self):
-    _check(self.steps >= 1, "train.steps", "an integer >= 1", self.steps)
-    _check(self.eval_every >= 0, "train.eval_every", "an integer >= 0", self.eval_every)
-    _check(self.log_every >= 1, "train.log_every", "an integer >= 1", self.log_every)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSection:
-  # Device counts per named mesh axis; -1 = all remaining devices.
-  data: int = -1
-  fsdp: int = 1
-  tensor: int = 1
-
-  def __post_init__(self):
-    sizes = (self.data, self.fsdp, self.tensor)
-    _check(all(s == -1 or s >= 1 for s in sizes), "mesh", "sizes >= 1 or -1", sizes)
-    _check(sum(s == -1 for s in sizes) <= 1, "mesh", "at most one axis of size -1", sizes)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSection:
-  every: int = 10  # steps between checkpoints (0 = only at the end and on SIGTERM)
-  keep: int = 3  # most recent checkpoints kept
-  async_save: bool = True
-
-  def __post_init__(self):
-    _check(self.every >= 0, "checkpoint.every", "an integer >= 0", self.every)
-    _check(self.keep >= 1, "checkpoint.keep", "an integer >= 1", self.keep)
-
-
-@dataclasses.dataclass(frozen=True)
-class LogSection:
-  tensorboard: bool = True  # <run.dir>/tb
-  samples_every: int = 10  # steps between sample completions logged as text (0 = never)
-  num_samples: int = 2
-  progress: bool = True  # console progress bar
-  # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3) comes
-  # from a separate policy + reference forward of the batch every this many steps (0 = never: no
-  # reference kept). Each costs about two forwards; erpo.reference=forward logs it every step for free.
-  policy_kl_every: int = 5
-  # <run.dir>/data_indices.process<p>.jsonl: per step, the dataset indices of the prompts process p fed
-  # (one {"step", "index"} line per step); audits the data order and the split across processes.
-  data_indices: bool = False
-
-  def __post_init__(self):
-    _check(self.policy_kl_every >= 0, "log.policy_kl_every", "an integer >= 0", self.policy_kl_every)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSection:
-  sets: tuple[str, ...] = ()  # benchmark files (JSONL/parquet) or "builtin:arithmetic"
-  temperatures: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5)
-  k: int = 32  # samples per problem
-  max_problems: int = 0  # per set; 0 = all
-  max_new_tokens: int = 0  # 0 = rollout.max_new_tokens
-  batch_size: int = 8  # problems per sampler call
-  seed: int = 1234
-  # builtin:arithmetic held-out split: its own generator seed, disjoint from training.
-  builtin_seed: int = 10_000
-  builtin_size: int = 200
-
-  def __post_init__(self):
-    _check(self.k >= 1, "eval.k", "an integer >= 1", self.k)
-    _check(self.batch_size >= 1, "eval.batch_size", "an integer >= 1", self.batch_size)
-    _check(self.max_problems >= 0, "eval.max_problems", "an integer >= 0 (0 = all)", self.max_problems)
-    _check(self.max_new_tokens >= 0, "eval.max_new_tokens", "an integer >= 0 (0 = rollout.max_new_tokens)",
-           self.max_new_tokens)
-    _check(self.builtin_size >= 1, "eval.builtin_size", "an integer >= 1", self.builtin_size)
-    _check(all(t >= 0 for t in self.temperatures), "eval.temperatures", "numbers >= 0", self.temperatures)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSection:
-  dir: str = "runs/default"  # checkpoints, tb/, metrics.jsonl, config.yaml
-
-  def __post_init__(self):
-    _check(bool(self.dir.strip()), "run.dir", "a folder (the working directory is never a run folder)", self.dir)
+    check_field(self.lr > 0, "optim.lr", "a positive number", self.lr)
+    check_field(math.isfinite(self.lr), "optim.lr", "a finite number", self.lr)
+    check_field(0 <= self.b1 < 1, "optim.b1", "a number in [0, 1)", self.b1)
+    check_field(0 <= self.b2 < 1, "optim.b2", "a number in [0, 1)", self.b2)
+    check_field(0 < self.eps < math.inf, "optim.eps", "a finite positive number", self.eps)
+    check_field(self.weight_decay >= 0, "optim.weight_decay", "a number >= 0", self.weight_decay)
+    check_field(self.grad_clip >= 0, "optim.grad_clip", "a number >= 0", self.grad_clip)
+    check_field(self.warmup_steps >= 0, "optim.warmup_steps", "an integer >= 0", self.warmup_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,18 +257,18 @@ class Config:
   log: LogSection = LogSection()
   eval: EvalSection = EvalSection()
   run: RunSection = RunSection()
-  experiment: ExperimentSection = dataclasses.field(default_factory=lambda: ExperimentSection())  # below
+  experiment: ExperimentSection = ExperimentSection()
 
   def __post_init__(self):
-    _check(not (self.rollout.group_size < 2 and self.ppo.advantage_scale != "none"), "rollout.group_size",
+    check_field(not (self.rollout.group_size < 2 and self.ppo.advantage_scale != "none"), "rollout.group_size",
            "an integer >= 2 for group-relative advantages (or ppo.advantage_scale=none)",
            self.rollout.group_size)
-    _check(self.data.batch_size % self.ppo.minibatches == 0, "ppo.minibatches",
+    check_field(self.data.batch_size % self.ppo.minibatches == 0, "ppo.minibatches",
            f"a divisor of data.batch_size={self.data.batch_size}", self.ppo.minibatches)
-    _check(self.data.batch_size % (self.ppo.minibatches * self.ppo.microbatches) == 0, "ppo.microbatches",
+    check_field(self.data.batch_size % (self.ppo.minibatches * self.ppo.microbatches) == 0, "ppo.microbatches",
            f"a divisor of data.batch_size / ppo.minibatches = {self.data.batch_size // self.ppo.minibatches}",
            self.ppo.microbatches)
-    _check(not (self.train.eval_every > 0 and not self.eval.sets), "eval.sets",
+    check_field(not (self.train.eval_every > 0 and not self.eval.sets), "eval.sets",
            "at least one benchmark when train.eval_every > 0", self.eval.sets)
 
   def to_dict(self) -> dict:
@@ -365,30 +282,3 @@ def _to_plain(x):
     return [_to_plain(v) for v in x]
   return x
 
-
-# The ablation variants of `erpo-jax experiment` (their overrides: erpo_jax/experiment/grid.py VARIANTS).
-VariantName = Literal["grpo", "grpo_star", "query_kl", "erpo_static", "erpo_dynamic"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExperimentSection:
-  """`erpo-jax experiment`: variants x seeds as run folders <dir>/runs/<variant>-s<seed>, then eval and report."""
-
-  variants: tuple[VariantName, ...] = ("grpo", "erpo_static", "erpo_dynamic")
-  seeds: tuple[int, ...] = (0, 1)  # each sets train.seed and data.shuffle_seed of its runs
-  dir: str = "runs/experiment"  # experiment folder: runs/, plots/, report.md
-  base_eval: bool = True  # also evaluate the untrained model (the reference line of the plots)
-  final_window: int = 5  # "final" train metrics: mean over the rows of the last this many steps
-  smooth: int = 1  # step plots: trailing moving average over this many steps (1 = raw)
-  analyze_num: int = 32  # training questions of the NLL analysis per model (0 = no analysis)
-  analyze_seed: int = 0  # which questions, and the sampling key of their responses
-
-  def __post_init__(self):
-    _check(len(self.variants) > 0 and len(set(self.variants)) == len(self.variants), "experiment.variants",
-           "a non-empty list of distinct variant names", self.variants)
-    _check(len(self.seeds) > 0 and len(set(self.seeds)) == len(self.seeds), "experiment.seeds",
-           "a non-empty list of distinct integers", self.seeds)
-    _check(bool(self.dir), "experiment.dir", "a folder path", self.dir)
-    _check(self.final_window >= 1, "experiment.final_window", "an integer >= 1", self.final_window)
-    _check(self.smooth >= 1, "experiment.smooth", "an integer >= 1", self.smooth)
-    _check(self.analyze_num >= 0, "experiment.analyze_num", "an integer >= 0", self.analyze_num)

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from erpo_jax.train import checkpoint as ck
+
+from erpo_jax.train import checkpoint_io as cio
 from erpo_jax import metrics
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -122,11 +123,11 @@ def deterministic(row: dict) -> dict:
 
 def complete_steps(run_dir) -> list[int]:
   """The checkpoint steps the trainer would resume from (complete writes only), read without side effects."""
-  return ck._complete_steps(pathlib.Path(run_dir) / ck.CHECKPOINTS_DIR)  # pylint: disable=protected-access
+  return cio.complete_steps(pathlib.Path(run_dir) / cio.CHECKPOINTS_DIR)
 
 
 def torn_writes(run_dir) -> list[str]:
-  d = pathlib.Path(run_dir) / ck.CHECKPOINTS_DIR
+  d = pathlib.Path(run_dir) / cio.CHECKPOINTS_DIR
   return sorted(p.name for p in d.glob("*.orbax-checkpoint-tmp*")) if d.is_dir() else []
 
 
@@ -148,7 +149,7 @@ def replace_folder_by_file(folder: pathlib.Path, moved: pathlib.Path) -> None:
 
 def load_item(run_dir, step: int | str = "latest", item: str = "params"):
   """One item (params, opt_state) of a checkpoint as a tree of numpy arrays."""
-  step_dir = ck.find_checkpoint(str(step), run_dir)
+  step_dir = cio.find_checkpoint(str(step), run_dir)
   with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
     tree = c.restore(step_dir / item)
   return jax.tree.map(np.asarray, tree)

@@ -44,7 +44,7 @@ from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import multihost
 from erpo_jax.reward.verifier import Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
-from erpo_jax.train.checkpoint import find_checkpoint, restore_params
+from erpo_jax.train.checkpoint_io import find_checkpoint, restore_params
 
 
 @dataclasses.dataclass(frozen=True)

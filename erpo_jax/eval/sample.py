@@ -10,7 +10,7 @@ import numpy as np
 from erpo_jax.config import Config
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.rollout.sampler import Sampler
-from erpo_jax.train.checkpoint import restore_params
+from erpo_jax.train.checkpoint_io import restore_params
 
 
 def run_sample(cfg: Config, *, prompt: str, max_new_tokens: int, temperature: float, num: int, seed: int,

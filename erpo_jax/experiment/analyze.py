@@ -30,7 +30,7 @@ from erpo_jax.experiment import plots, stats
 from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.rollout.sampler import Sampler
-from erpo_jax.train.checkpoint import find_checkpoint, restore_params
+from erpo_jax.train.checkpoint_io import find_checkpoint, restore_params
 
 JSON_NAME = "analyze.json"
 PNG_NAME = "analyze.png"

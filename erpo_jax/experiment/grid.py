@@ -10,8 +10,9 @@ import pathlib
 import typing
 from typing import Any
 
-from erpo_jax.config import Config, ExperimentSection, VariantName
+from erpo_jax.config import Config
 from erpo_jax.config_io import load_config
+from erpo_jax.config_run import ExperimentSection, VariantName
 from erpo_jax.errors import UserError
 
 # The paper's variants, each one set of config overrides on top of the experiment's config.

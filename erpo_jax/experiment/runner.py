@@ -28,7 +28,7 @@ from erpo_jax.experiment import grid, plots, report
 from erpo_jax.experiment.analyze import JSON_NAME, run_analyze
 from erpo_jax.experiment.grid import RunSpec
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
-from erpo_jax.train.checkpoint import find_checkpoint
+from erpo_jax.train.checkpoint_io import find_checkpoint
 from erpo_jax.train.loop import train
 
 PROGRESS_FILE = "progress.jsonl"

@@ -11,24 +11,15 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 from jax.experimental import multihost_utils
 
 from erpo_jax.errors import NonFiniteError, PathError, UserError
-
-CHECKPOINTS_DIR = "checkpoints"  # <run.dir>/checkpoints/<step>
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+from erpo_jax.train import checkpoint_io as cio
 
 
 class CheckpointWriteError(PathError):
   """A checkpoint could not be written (disk full, folder removed); older checkpoints are intact."""
-
-
-class CheckpointDamagedError(PathError):
-  """A checkpoint on disk is incomplete or its arrays differ from the checksums saved with them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,84 +40,6 @@ def model_fingerprint(model_cfg, tokenizer_fingerprint: str = "") -> str:
   return f"{c.architecture}-L{c.num_layers}-D{c.hidden_size}-V{c.vocab_size}-{digest}"
 
 
-def all_finite(tree) -> bool:
-  """True when no floating-point leaf of `tree` holds NaN or Inf (one device-to-host transfer)."""
-  leaves = [x for x in jax.tree.leaves(_pure(tree)) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  return bool(_all_finite(leaves)) if leaves else True
-
-
-@jax.jit
-def _all_finite(leaves: list) -> jax.Array:
-  # One program per tree structure, not one per leaf shape as eager ops would compile.
-  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
-
-
-def checksums(tree) -> list[str]:
-  """Per leaf (flattening order) a 64-bit checksum of its bytes, as hex.
-
-  Computed on the devices, so a sharded (multi-host) array needs no gather. The
-  two 32-bit lanes are sums of the array's words times odd position weights
-  (modulo 2**32), so any change of a single word always changes the checksum.
-  """
-  leaves = jax.tree.leaves(_pure(tree))
-  if not leaves:
-    return []
-  sums = np.asarray(jax.device_get(_checksums(leaves)))
-  return [f"{int(a):08x}{int(b):08x}" for a, b in sums]
-
-
-@jax.jit
-def _checksums(leaves: list) -> jax.Array:
-  out = []
-  for x in leaves:
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-      x = x.astype(jnp.uint8)
-    size = x.dtype.itemsize
-    words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size])
-    words = words.reshape(-1).astype(jnp.uint32)
-    i = jnp.arange(words.shape[0], dtype=jnp.uint32)
-    a = jnp.sum(words * (2 * i + 1), dtype=jnp.uint32)
-    b = jnp.sum((words ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B) * (2 * i + 3), dtype=jnp.uint32)
-    out.append(jnp.stack([a, b]))
-  return jnp.stack(out)
-
-
-# ---------------- data-iterator state
-
-
-class _DataStateHandler(ocp.CheckpointHandler):
-  """Each process writes its own data-iterator state to process_<i>-of-<n>.json (as Grain's handler does)."""
-
-  def save(self, directory, args):
-    name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-    (directory / name).write_text(json.dumps(args.state))
-
-  def restore(self, directory, args=None):
-    del args
-    n = jax.process_count()
-    path = directory / f"process_{jax.process_index()}-of-{n}.json"
-    if not path.exists():
-      saved = len(list(directory.glob("process_*.json")))
-      raise UserError(f"checkpoint {directory.parent}: the data-iterator state was saved by {saved} process(es), "
-                      f"this run has {n}; resume with the same number of processes")
-    return json.loads(path.read_text())
-
-
-@ocp.args.register_with_handler(_DataStateHandler, for_save=True)
-@dataclasses.dataclass
-class _DataStateSave(ocp.args.CheckpointArgs):
-  state: dict
-
-
-@ocp.args.register_with_handler(_DataStateHandler, for_restore=True)
-@dataclasses.dataclass
-class _DataStateRestore(ocp.args.CheckpointArgs):
-  pass
-
-
 # ---------------- checkpointer
 
 
@@ -145,7 +58,7 @@ class Checkpointer:
   """
 
   def __init__(self, run_dir, *, every: int, keep: int, async_save: bool = True, fingerprint: str):
-    self.directory = pathlib.Path(run_dir).absolute() / CHECKPOINTS_DIR
+    self.directory = pathlib.Path(run_dir).absolute() / cio.CHECKPOINTS_DIR
     self.every = every  # steps between checkpoints; 0 = only forced saves
     self.fingerprint = fingerprint
     if self.directory.exists() and not self.directory.is_dir():
@@ -156,7 +69,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(), "data": _DataStateHandler()}
+                "meta": ocp.JsonCheckpointHandler(), "data": cio.DataStateHandler()}
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._pending: int | None = None  # step of a save whose write may still be running
 
@@ -175,16 +88,16 @@ class Checkpointer:
     self.wait()
     if step in self.all_steps():
       return False
-    if not (all_finite(params) and all_finite(opt_state)):
+    if not (cio.all_finite(params) and cio.all_finite(opt_state)):
       raise NonFiniteError(step, "parameters or optimizer state")
-    trees = {"params": _pure(params), "opt_state": _pure(opt_state)}
-    meta = {"step": step, "fingerprint": self.fingerprint, "rng": _key_to_json(rng_key), "config": config_text,
+    trees = {"params": cio.pure(params), "opt_state": cio.pure(opt_state)}
+    meta = {"step": step, "fingerprint": self.fingerprint, "rng": cio.key_to_json(rng_key), "config": config_text,
             "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()},
-            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), checksums(t))]
+            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), cio.checksums(t))]
                           for k, t in trees.items()}}
     # Orbax refuses trees without leaves (optax.sgd's state); they hold nothing to save.
     items = {k: ocp.args.StandardSave(t) for k, t in trees.items() if jax.tree.leaves(t)}
-    args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta), data=_DataStateSave(data_state))
+    args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta), data=cio.DataStateSave(data_state))
     self._pending = step
     try:
       self._mgr.save(step, args=args, force=True)
@@ -202,7 +115,7 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     """Steps of the complete checkpoints on disk, ascending."""
-    return _complete_steps(self.directory)
+    return cio.complete_steps(self.directory)
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint on disk (a write still in progress does not count)."""
@@ -213,7 +126,7 @@ class Checkpointer:
     """Restores checkpoint `step` (default: latest) onto the shapes, dtypes and shardings of the targets.
 
     Targets are the live params / optimizer state, or ShapeDtypeStructs. Raises
-    CheckpointDamagedError when the checkpoint cannot be read or its arrays differ
+    cio.CheckpointDamagedError when the checkpoint cannot be read or its arrays differ
     from the checksums saved with them, UserError when it belongs to another model
     or optimizer.
     """
@@ -230,7 +143,7 @@ class Checkpointer:
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       saved_fingerprint, saved_leaves = meta["fingerprint"], meta["leaves"]
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointDamagedError(f"checkpoint {where}: its metadata cannot be read ({_first_line(e)})") from None
+      raise cio.CheckpointDamagedError(f"checkpoint {where}: its metadata cannot be read ({cio.first_line(e)})") from None
     if saved_fingerprint != self.fingerprint:
       raise UserError(f"checkpoint {where} was written for model '{saved_fingerprint}', but this run's model is "
                       f"'{self.fingerprint}'; use the same model and tokenizer, or a fresh run.dir")
@@ -240,46 +153,46 @@ class Checkpointer:
       try:
         saved_items[k] = getattr(self._mgr.item_metadata(step), k, None) if saved_leaves[k] else {}
       except Exception as e:  # pylint: disable=broad-except
-        raise CheckpointDamagedError(f"checkpoint {where}: its {k} cannot be read ({_first_line(e)})") from None
+        raise cio.CheckpointDamagedError(f"checkpoint {where}: its {k} cannot be read ({cio.first_line(e)})") from None
       if saved_items[k] is None:
-        raise CheckpointDamagedError(f"checkpoint {where}: its {k} folder is missing or incomplete")
-    _check_params_fit(saved_items["params"], params_target, where, saved_fingerprint)
+        raise cio.CheckpointDamagedError(f"checkpoint {where}: its {k} folder is missing or incomplete")
+    cio.check_params_fit(saved_items["params"], params_target, where, saved_fingerprint)
     for k, t in targets.items():
-      if len(jax.tree.leaves(_pure(t))) != saved_leaves[k]:
+      if len(jax.tree.leaves(cio.pure(t))) != saved_leaves[k]:
         raise UserError(f"checkpoint {where} holds {saved_leaves[k]} {k} arrays, this run has "
-                        f"{len(jax.tree.leaves(_pure(t)))}; resume with the settings it was saved with")
-    saved_opt = sorted(_shapes(getattr(saved_items["opt_state"], "tree", saved_items["opt_state"])).values())
-    if saved_leaves["opt_state"] and saved_opt != sorted(_shapes(_pure(opt_state_target)).values()):
+                        f"{len(jax.tree.leaves(cio.pure(t)))}; resume with the settings it was saved with")
+    saved_opt = sorted(cio.shapes(getattr(saved_items["opt_state"], "tree", saved_items["opt_state"])).values())
+    if saved_leaves["opt_state"] and saved_opt != sorted(cio.shapes(cio.pure(opt_state_target)).values()):
       raise UserError(f"checkpoint {where} holds optimizer state of other shapes than this run's "
                       f"optimizer; resume with the settings it was saved with")
-    items = {k: ocp.args.StandardRestore(_abstract(t)) for k, t in targets.items() if saved_leaves[k]}
+    items = {k: ocp.args.StandardRestore(cio.abstract(t)) for k, t in targets.items() if saved_leaves[k]}
     try:
-      out = self._mgr.restore(step, args=ocp.args.Composite(**items, data=_DataStateRestore()))
+      out = self._mgr.restore(step, args=ocp.args.Composite(**items, data=cio.DataStateRestore()))
     except UserError:
       raise
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointDamagedError(f"checkpoint {where}: its arrays cannot be read ({_first_line(e)})") from None
+      raise cio.CheckpointDamagedError(f"checkpoint {where}: its arrays cannot be read ({cio.first_line(e)})") from None
     for k in items:
-      bad = _checksum_mismatch(out[k], meta.get("checksums", {}).get(k))
+      bad = cio.checksum_mismatch(out[k], meta.get("checksums", {}).get(k))
       if bad is not None:
-        raise CheckpointDamagedError(f"checkpoint {where}: {k} array '{bad}' differs from its saved checksum")
-    restored = {k: _like(t, out[k]) if k in items else t for k, t in targets.items()}
+        raise cio.CheckpointDamagedError(f"checkpoint {where}: {k} array '{bad}' differs from its saved checksum")
+    restored = {k: cio.like(t, out[k]) if k in items else t for k, t in targets.items()}
     return RestoredState(step=step, params=restored["params"], opt_state=restored["opt_state"],
-                         rng_key=_key_from_json(meta["rng"]), data_state=out.data, config_text=meta["config"])
+                         rng_key=cio.key_from_json(meta["rng"]), data_state=out.data, config_text=meta["config"])
 
   def restore_latest_intact(self, *, params_target, opt_state_target, warn=None) -> RestoredState | None:
     """Restores the newest checkpoint that is complete and matches its checksums; None when there is none.
 
     Each damaged newer checkpoint is reported through `warn` (one line: which and
     why) and moved aside to `<step>.damaged` so that its step can be saved again.
-    Raises CheckpointDamagedError when checkpoints exist but none is intact.
+    Raises cio.CheckpointDamagedError when checkpoints exist but none is intact.
     """
     self.wait()
     damaged = []
     for step in reversed(self.all_steps()):
       try:
         restored = self.restore(step, params_target=params_target, opt_state_target=opt_state_target)
-      except CheckpointDamagedError as e:
+      except cio.CheckpointDamagedError as e:
         damaged.append((step, str(e)))
         continue
       for _, message in damaged:
@@ -288,8 +201,8 @@ class Checkpointer:
       self._set_aside(s for s in self.all_steps() if s > step)
       return restored
     if damaged:
-      reasons = "; ".join(f"{CHECKPOINTS_DIR}/{s}: {m.split(': ', 1)[-1][:90]}" for s, m in damaged)
-      raise CheckpointDamagedError(f"no intact checkpoint in {self.directory} ({reasons}); restore the folder "
+      reasons = "; ".join(f"{cio.CHECKPOINTS_DIR}/{s}: {m.split(': ', 1)[-1][:90]}" for s, m in damaged)
+      raise cio.CheckpointDamagedError(f"no intact checkpoint in {self.directory} ({reasons}); restore the folder "
                                    "from a backup or start a fresh run.dir")
     return None
 
@@ -331,153 +244,12 @@ class Checkpointer:
       latest = None
     left = f"the latest complete checkpoint is step {latest}" if latest is not None else "none is readable there"
     return CheckpointWriteError(f"checkpoint step {step} could not be written to {self.directory} "
-                                f"({_first_line(e)}); {left}")
-
-
-# ---------------- params only
-
-
-def find_checkpoint(checkpoint: str, run_dir) -> pathlib.Path:
-  """The step folder named by `checkpoint`: 'latest', a step number, a step folder or a run folder."""
-  ckpt_dir = pathlib.Path(run_dir) / CHECKPOINTS_DIR
-  if checkpoint == "latest" or checkpoint.isdigit():
-    steps = _complete_steps(ckpt_dir)
-    if not steps:
-      raise PathError(f"checkpoint '{checkpoint}': no complete checkpoint in {ckpt_dir}; train first "
-                      "or give a step folder such as runs/x/checkpoints/100")
-    step = steps[-1] if checkpoint == "latest" else int(checkpoint)
-    if step not in steps:
-      raise PathError(f"checkpoint '{checkpoint}': no step {step} in {ckpt_dir}; complete steps: {steps}")
-    return ckpt_dir / str(step)
-  p = pathlib.Path(checkpoint)
-  if (p / "params").is_dir() and (p / "_CHECKPOINT_METADATA").is_file() and _TMP_SUFFIX not in p.name:
-    return p
-  for base in (p / CHECKPOINTS_DIR, p):
-    steps = _complete_steps(base)
-    if steps:
-      return base / str(steps[-1])
-  raise PathError(f"checkpoint '{checkpoint}': not a step folder (<run.dir>/{CHECKPOINTS_DIR}/<step>) "
-                  "or a run folder with complete checkpoints")
-
-
-def restore_params(model: nnx.Module, checkpoint: str, run_dir):
-  """Loads the params of a checkpoint into `model` in place (shapes, dtypes, shardings of the model); returns it."""
-  # Orbax reads no item metadata from a relative path (it warns and returns None).
-  step_dir = find_checkpoint(checkpoint, run_dir).absolute()
-  state = nnx.state(model, nnx.Param)
-  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-    try:
-      saved = ckptr.metadata(step_dir / "params").item_metadata
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointDamagedError(f"checkpoint {step_dir}: its params cannot be read ({_first_line(e)})") from None
-    _check_params_fit(saved, state, step_dir, _saved_fingerprint(step_dir))
-    try:
-      restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(_abstract(state)))
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointDamagedError(f"checkpoint {step_dir}: its arrays cannot be read ({_first_line(e)})") from None
-  bad = _checksum_mismatch(restored, _saved_meta(step_dir).get("checksums", {}).get("params"))
-  if bad is not None:
-    raise CheckpointDamagedError(f"checkpoint {step_dir}: params array '{bad}' differs from its saved checksum")
-  nnx.replace_by_pure_dict(state, restored)
-  nnx.update(model, state)
-  return model
-
-
-# ---------------- helpers
-
-
-def _check_params_fit(saved, target, where, fingerprint: str) -> None:
-  """Raises UserError naming the first parameter whose name or shape differs from the checkpoint's."""
-  have, want = _shapes(saved.tree if hasattr(saved, "tree") else saved), _shapes(_pure(target))
-  extra, missing = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-  bad = [k for k in want if k in have and want[k] != have[k]]
-  problem = (f"this model has parameters {extra} the checkpoint lacks" if extra else
-             f"the checkpoint has parameters {missing} this model lacks" if missing else
-             f"parameter '{bad[0]}' is {have[bad[0]]} in the checkpoint but {want[bad[0]]} in this model" if bad
-             else None)
-  if problem:
-    raise UserError(f"checkpoint {where} was written for model '{fingerprint}' and does not fit this model: "
-                    f"{problem}")
-
-
-def _checksum_mismatch(restored, saved: list | None) -> str | None:
-  """The name of the first restored leaf whose checksum differs from `saved`; None when all match.
-
-  Leaves restored into another dtype than they were saved in (and checkpoints
-  written before checksums were saved) are not compared.
-  """
-  if not saved:
-    return None
-  flat, _ = jax.tree_util.tree_flatten_with_path(restored)
-  sums = checksums([x for _, x in flat])
-  for (path, x), got, (dtype, want) in zip(flat, sums, saved):
-    if dtype == str(x.dtype) and got != want:
-      return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-  return None
-
-
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-  name = lambda path: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-  return {name(path): tuple(x.shape) for path, x in flat}
+                                f"({cio.first_line(e)}); {left}")
 
 
 def _remove_torn_writes(directory: pathlib.Path) -> None:
   """Deletes the temporary folders of writes that never completed (synchronously, unlike Orbax's cleanup)."""
   if jax.process_index() == 0 and directory.is_dir():
-    for p in directory.glob(f"*{_TMP_SUFFIX}*"):
+    for p in directory.glob(f"*{cio.TMP_SUFFIX}*"):
       shutil.rmtree(p, ignore_errors=True)
 
-
-def _complete_steps(directory: pathlib.Path) -> list[int]:
-  if not directory.is_dir():
-    return []
-  return sorted(ocp.path.step.checkpoint_steps(directory))
-
-
-def _pure(tree):
-  return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-
-
-def _like(target, restored):
-  """Restored pure values in the container kind of `target` (nnx.State targets are left untouched)."""
-  if isinstance(target, nnx.State):
-    out = jax.tree.map(lambda x: x, target)  # new Variables, so `target` keeps its values
-    nnx.replace_by_pure_dict(out, restored)
-    return out
-  return restored
-
-
-def _abstract(target):
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, _pure(target))
-
-
-def _key_to_json(key: jax.Array) -> dict:
-  """{'impl', 'data'}; impl None for a raw uint32 key (jax.random.PRNGKey)."""
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return {"impl": str(jax.random.key_impl(key)), "data": np.asarray(jax.random.key_data(key)).tolist()}
-  return {"impl": None, "data": np.asarray(key).tolist()}
-
-
-def _key_from_json(d: dict) -> jax.Array:
-  data = jnp.asarray(np.asarray(d["data"], np.uint32))
-  return data if d["impl"] is None else jax.random.wrap_key_data(data, impl=d["impl"])
-
-
-def _saved_meta(step_dir: pathlib.Path) -> dict:
-  """The meta item of a step folder ({} when it cannot be read)."""
-  try:
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-      meta = ckptr.restore(step_dir / "meta", args=ocp.args.JsonRestore())
-    return meta if isinstance(meta, dict) else {}
-  except Exception:  # pylint: disable=broad-except
-    return {}
-
-
-def _saved_fingerprint(step_dir: pathlib.Path) -> str:
-  return _saved_meta(step_dir).get("fingerprint", "unknown")
-
-
-def _first_line(e: Exception) -> str:
-  line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-  return line.split(" See full TensorStore details")[0][:300]

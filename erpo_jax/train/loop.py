@@ -37,7 +37,8 @@ from erpo_jax.rollout.sampler import Sampler, response_texts
 from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
-from erpo_jax.train.checkpoint import Checkpointer, all_finite, model_fingerprint
+from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
+from erpo_jax.train.checkpoint_io import all_finite
 from erpo_jax.train.run_folder import RunLock, check_resume_config
 
 

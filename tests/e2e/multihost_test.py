@@ -84,7 +84,7 @@ def _indices(run_dir, process: int) -> list[list[int]]:
 
 def _final_params(run_dir, cfg):
   """The params of the run's latest checkpoint, restored onto this process's single CPU device."""
-  from erpo_jax.train.checkpoint import restore_params
+  from erpo_jax.train.checkpoint_io import restore_params
   from erpo_jax.model.io.loading import load_model
   model, _ = load_model(cfg.model)
   restore_params(model, "latest", run_dir)

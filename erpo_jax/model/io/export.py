@@ -14,7 +14,7 @@ from erpo_jax.errors import UserError
 from erpo_jax.model import llama
 from erpo_jax.model.io import hf, loading
 from erpo_jax.model.tokenizer import Tokenizer
-from erpo_jax.train.checkpoint import restore_params
+from erpo_jax.train.checkpoint_io import restore_params
 
 MARKER = "erpo_jax_export.json"  # names the files an export wrote, so a re-export may replace them
 _DTYPES = {"float32": np.float32, "bfloat16": np.dtype(llama.as_dtype("bfloat16"))}

@@ -11,13 +11,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 import tiny_runs
-from erpo_jax.config import Config, DataSection, EvalSection, ModelSection
+
+from erpo_jax.config import Config, DataSection, ModelSection
+from erpo_jax.config_run import EvalSection
 from erpo_jax.data import PAPER_PROMPT_SUFFIX, load_file
 from erpo_jax.data.arithmetic import generate
-from erpo_jax.data.pipeline import (PromptBatch, dataset_prompts, make_train_iterator,
-                                    training_prompts)
+from erpo_jax.data.pipeline import (
+  PromptBatch,
+  dataset_prompts,
+  make_train_iterator,
+  training_prompts,
+)
 from erpo_jax.data.sources import make_eval_source, train_source
 from erpo_jax.errors import ConfigError, DataError, PathError
 

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from erpo_jax.config import Config, DataSection, EvalSection
+from erpo_jax.config import Config, DataSection
 from erpo_jax.config_io import load_config
+from erpo_jax.config_run import EvalSection
 from erpo_jax.data import open_source
-from erpo_jax.data.sources import make_eval_source
-from erpo_jax.data.sources import PRESETS
+from erpo_jax.data.sources import PRESETS, make_eval_source
 from erpo_jax.errors import ConfigError, PathError
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -7,8 +7,9 @@ import typing
 
 import pytest
 
-from erpo_jax.config import Config, VariantName
+from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config, load_config
+from erpo_jax.config_run import VariantName
 from erpo_jax.errors import UserError
 from erpo_jax.experiment import grid, report, runner, stats
 from erpo_jax.experiment.runner import Progress

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from erpo_jax.buckets import prompt_bucket
 from erpo_jax.errors import DataError
 from erpo_jax.model import llama, logprobs
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.buckets import prompt_bucket
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 from erpo_jax.rollout.sampling import categorical, sample_token
 
@@ -212,7 +212,7 @@ _SHARDED = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import types, jax, numpy as np
     from erpo_jax.parallel import mesh as mesh_lib
-    from erpo_jax.config import MeshSection
+    from erpo_jax.config_run import MeshSection
     from erpo_jax.model import llama
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rollout.sampler import Sampler
@@ -265,7 +265,7 @@ _TWO_PROCESSES = textwrap.dedent("""
     multihost.maybe_initialize(args.coordinator, int(args.num_processes), int(args.process_id))
     import jax
     from erpo_jax.parallel import mesh as mesh_lib
-    from erpo_jax.config import MeshSection
+    from erpo_jax.config_run import MeshSection
     from erpo_jax.model import llama
     from erpo_jax.model.config import ModelConfig
     from erpo_jax.rollout.sampler import Sampler

@@ -17,6 +17,7 @@ from flax import nnx
 
 import tiny_runs
 from erpo_jax.train import checkpoint as ck
+from erpo_jax.train import checkpoint_io as cio
 from erpo_jax.errors import NonFiniteError, PathError, UserError
 from erpo_jax.model import llama
 from erpo_jax.model.config import ModelConfig
@@ -156,6 +157,7 @@ _KILL_MID_SAVE = textwrap.dedent("""
   import os, signal, sys
   import jax, jax.numpy as jnp
   from erpo_jax.train import checkpoint as ck
+  from erpo_jax.train import checkpoint_io as cio
   c = ck.Checkpointer(sys.argv[1], every=1, keep=3, fingerprint="fp")
   kw = dict(opt_state={}, rng_key=jax.random.key(0), config_text="")
   c.save(1, params={"w": jnp.full((25_000_000,), 1.0)}, data_state={"at": 1}, **kw)  # 100 MB
@@ -261,9 +263,9 @@ def test_changed_optimizer_is_refused_with_a_user_error(tmp_path):
 
 
 def test_non_finite_state_is_never_saved(tmp_path):
-  assert ck.all_finite({"a": jnp.ones(3), "i": jnp.arange(3)})
-  assert not ck.all_finite({"a": jnp.array([1.0, jnp.inf])})
-  assert not ck.all_finite((jnp.ones(2), {"m": jnp.array([jnp.nan], jnp.bfloat16)}))
+  assert cio.all_finite({"a": jnp.ones(3), "i": jnp.arange(3)})
+  assert not cio.all_finite({"a": jnp.array([1.0, jnp.inf])})
+  assert not cio.all_finite((jnp.ones(2), {"m": jnp.array([jnp.nan], jnp.bfloat16)}))
   with ck.Checkpointer(tmp_path, every=1, keep=1, fingerprint=FP) as c:
     with pytest.raises(NonFiniteError, match="step 5"):
       _save(c, 5, {"w": jnp.ones(2)}, {"mu": jnp.array([0.0, jnp.nan])})
@@ -287,9 +289,9 @@ def test_restore_params_loads_a_tiny_nnx_model_from_latest_step_or_run_folder(tm
   for checkpoint, run_dir in (("latest", tmp_path), ("2", tmp_path), (str(tmp_path / "checkpoints" / "2"), "x"),
                               (str(tmp_path), "x")):
     nnx.update(target, nnx.state(other, nnx.Param))
-    assert ck.restore_params(target, checkpoint, run_dir) is target
+    assert cio.restore_params(target, checkpoint, run_dir) is target
     _assert_bit_equal(_pure(target), _pure(trained))  # hence the same function as `trained`
-  assert ck.find_checkpoint("1", tmp_path) == tmp_path / "checkpoints" / "1"
+  assert cio.find_checkpoint("1", tmp_path) == tmp_path / "checkpoints" / "1"
 
 
 def test_restore_params_reads_a_run_folder_given_relative_to_the_working_directory(tmp_path, tiny_models,
@@ -301,25 +303,25 @@ def test_restore_params_reads_a_run_folder_given_relative_to_the_working_directo
   monkeypatch.chdir(tmp_path)
   for checkpoint, run_dir in (("latest", "runs/x"), ("runs/x/checkpoints/2", "elsewhere"), ("runs/x", ".")):
     nnx.update(target, nnx.state(other, nnx.Param))
-    assert ck.restore_params(target, checkpoint, run_dir) is target
+    assert cio.restore_params(target, checkpoint, run_dir) is target
     _assert_bit_equal(_pure(target), _pure(trained))
 
 
 def test_restore_params_refuses_missing_checkpoints_and_other_models(tmp_path, tiny_models):
   model = tiny_models[2]
   with pytest.raises(PathError, match="no complete checkpoint in .*checkpoints"):
-    ck.restore_params(model, "latest", tmp_path)
+    cio.restore_params(model, "latest", tmp_path)
   with pytest.raises(PathError, match="'/nowhere/run'"):
-    ck.restore_params(model, "/nowhere/run", tmp_path)
+    cio.restore_params(model, "/nowhere/run", tmp_path)
   with ck.Checkpointer(tmp_path, every=1, keep=1, fingerprint=FP) as c:
     _save(c, 1, {**_pure(model), "embed": jnp.zeros((64, 32))})  # a model with D = 32
   shutil.copytree(tmp_path / "checkpoints" / "1", tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp")
   with pytest.raises(PathError, match="not a step folder"):
-    ck.restore_params(model, str(tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"), tmp_path)
+    cio.restore_params(model, str(tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"), tmp_path)
   expected = rf"written for model '{FP}' and does not fit this model: parameter 'embed' is \(64, 32\) in the " \
              r"checkpoint but \(64, 16\)"
   with pytest.raises(UserError, match=expected):
-    ck.restore_params(model, "latest", tmp_path)
+    cio.restore_params(model, "latest", tmp_path)
 
 
 # ---------------- integrity: damaged checkpoints are found and the newest intact one is used
@@ -362,12 +364,12 @@ def _big_params(seed):
 
 def test_checksums_change_with_any_single_word_and_not_otherwise():
   x = jnp.arange(1000, dtype=jnp.float32)
-  base = ck.checksums({"x": x, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
-  assert base == ck.checksums({"x": x + 0, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
+  base = cio.checksums({"x": x, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
+  assert base == cio.checksums({"x": x + 0, "b": x.astype(jnp.bfloat16), "i": jnp.arange(3)})
   for k in (0, 1, 500, 999):
-    assert ck.checksums({"x": x.at[k].set(-1.0)})[0] != base[2]  # leaves flatten as b, i, x
+    assert cio.checksums({"x": x.at[k].set(-1.0)})[0] != base[2]  # leaves flatten as b, i, x
   swapped = x.at[0].set(x[1]).at[1].set(x[0])
-  assert ck.checksums({"x": swapped})[0] != base[2]
+  assert cio.checksums({"x": swapped})[0] != base[2]
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
@@ -378,7 +380,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_with_a_wa
   DAMAGE[damage](tmp_path / "checkpoints" / "3")
   warnings = []
   with ck.Checkpointer(tmp_path, every=1, keep=3, fingerprint=FP) as c:
-    with pytest.raises(ck.CheckpointDamagedError, match="checkpoint .*checkpoints/3"):
+    with pytest.raises(cio.CheckpointDamagedError, match="checkpoint .*checkpoints/3"):
       c.restore(3, params_target=_big_params(0), opt_state_target={})
     r = c.restore_latest_intact(params_target=_big_params(0), opt_state_target={}, warn=warnings.append)
     assert r.step == 2
@@ -398,7 +400,7 @@ def test_readable_arrays_that_differ_from_their_checksums_are_refused(tmp_path):
   shutil.rmtree(step_dir / "2" / "params")
   shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")  # valid arrays, other values
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
-    with pytest.raises(ck.CheckpointDamagedError, match="params array 'w' differs from its saved checksum"):
+    with pytest.raises(cio.CheckpointDamagedError, match="params array 'w' differs from its saved checksum"):
       c.restore(2, params_target=_big_params(0), opt_state_target={})
 
 
@@ -409,7 +411,7 @@ def test_no_intact_checkpoint_is_one_error_naming_each(tmp_path):
   _overwrite_4k(tmp_path / "checkpoints" / "2")
   _no_params(tmp_path / "checkpoints" / "1")
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
-    with pytest.raises(ck.CheckpointDamagedError, match=r"no intact checkpoint in .*checkpoints/2.*checkpoints/1"):
+    with pytest.raises(cio.CheckpointDamagedError, match=r"no intact checkpoint in .*checkpoints/2.*checkpoints/1"):
       c.restore_latest_intact(params_target=_big_params(0), opt_state_target={})
 
 
@@ -426,8 +428,8 @@ def test_restore_params_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_
   step_dir = tmp_path / "checkpoints"
   shutil.rmtree(step_dir / "2" / "params")
   shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")
-  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/2: params array '.*' differs from its saved"):
-    ck.restore_params(target, "latest", tmp_path)
+  with pytest.raises(cio.CheckpointDamagedError, match=r"checkpoints/2: params array '.*' differs from its saved"):
+    cio.restore_params(target, "latest", tmp_path)
   _truncate(step_dir / "1")
-  with pytest.raises(ck.CheckpointDamagedError, match=r"checkpoints/1: its arrays cannot be read"):
-    ck.restore_params(target, "1", tmp_path)
+  with pytest.raises(cio.CheckpointDamagedError, match=r"checkpoints/1: its arrays cannot be read"):
+    cio.restore_params(target, "1", tmp_path)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from erpo_jax.config import dump_config, load_config
+from erpo_jax.config_io import dump_config, load_config
 from erpo_jax.errors import UserError
 from erpo_jax.train import run_folder
 from erpo_jax.train.run_folder import RunLock, RunLockedError, check_resume_config
