@@ -5,14 +5,18 @@
     gsm8k  : question, answer = "...#### 1,042"         -> "1042" (lists and LaTeX kept as written)
     math   : problem, solution = "...\\boxed{\\frac12}"  -> "\\frac12" (an `answer` column wins), level "Level 3" -> 3
     columns: data.prompt_column, data.answer_column
+
+`check_untrusted` refuses rows that should not be trusted whatever their shape: a non-finite ground
+truth, a chat role outside data.chat_roles, a chat-template control token in any text.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
-from erpo_jax.reward.verify import last_boxed
+from erpo_jax.reward.extract import last_boxed
 
 SHAPES = ("verl", "trl", "gsm8k", "math", "columns")
 
@@ -145,3 +149,30 @@ def _parse(row: dict, shape: str, pcol: str, acol: str, answer_as_is: bool):
       raise RowError(acol, "expected a solution with a \\boxed{...} answer")
     return prompt, boxed.strip(), level
   return prompt, (boxed.strip() if boxed and boxed.strip() else text), level  # trl
+
+
+# Chat-template control tokens (ChatML, Llama 2/3, Gemma, and any `<|...|>` token): a data row holding one
+# could open a turn of its own in the rendered prompt.
+_CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>")
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_untrusted(prompt, answer: str, roles=CHAT_ROLES) -> None:
+  """Raises RowError for a non-finite ground truth, a chat role outside `roles`, or a control token in a role,
+  a message or the question."""
+  try:
+    number = float(answer.strip().replace(",", ""))
+  except ValueError:
+    number = 0.0
+  if not math.isfinite(number):
+    raise RowError("answer", f"ground truth {answer.strip()[:40]!r} is not a finite number")
+  turns = [("user", prompt)] if isinstance(prompt, str) else list(prompt)
+  for k, (role, content) in enumerate(turns):
+    field = "prompt" if isinstance(prompt, str) else f"prompt[{k}]"
+    if role not in roles:
+      raise RowError(f"{field}.role", f"role {role[:40]!r} is not one of {', '.join(roles)} (data.chat_roles)")
+    m = _CONTROL_TOKEN.search(content)
+    if m:
+      raise RowError(field, f"contains the chat-template control token {m.group(0)!r}")

@@ -11,14 +11,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import pathlib
 import re
 from typing import Iterator
 
 from erpo_jax.data.arithmetic import generate
 from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
-from erpo_jax.data.shapes import SHAPES, RowError, detect_shape, parse_row
+from erpo_jax.data.shapes import (
+  CHAT_ROLES,
+  SHAPES,
+  RowError,
+  check_untrusted,
+  detect_shape,
+  parse_row,
+)
 from erpo_jax.errors import ConfigError, DataError, PathError
 
 _KEEP_BAD_ROWS = 10  # messages kept in source.bad_rows
@@ -93,31 +99,6 @@ def _parquet_columns(path: pathlib.Path) -> list[str]:
     return list(pq.read_schema(path).names)
   except Exception as e:  # pylint: disable=broad-except
     raise DataError(f"{path}: not a readable parquet file ({e})") from None
-
-
-# Chat-template control tokens (ChatML, Llama 2/3, Gemma, and any `<|...|>` token): a data row holding one
-# could open a turn of its own in the rendered prompt.
-_CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>")
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def check_untrusted(prompt, answer: str, roles=CHAT_ROLES) -> None:
-  """Raises RowError for a non-finite ground truth, a chat role outside `roles`, or a control token in a role,
-  a message or the question."""
-  try:
-    number = float(answer.strip().replace(",", ""))
-  except ValueError:
-    number = 0.0
-  if not math.isfinite(number):
-    raise RowError("answer", f"ground truth {answer.strip()[:40]!r} is not a finite number")
-  turns = [("user", prompt)] if isinstance(prompt, str) else list(prompt)
-  for k, (role, content) in enumerate(turns):
-    field = "prompt" if isinstance(prompt, str) else f"prompt[{k}]"
-    if role not in roles:
-      raise RowError(f"{field}.role", f"role {role[:40]!r} is not one of {', '.join(roles)} (data.chat_roles)")
-    m = _CONTROL_TOKEN.search(content)
-    if m:
-      raise RowError(field, f"contains the chat-template control token {m.group(0)!r}")
 
 
 def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: str = "",  # pylint: disable=redefined-builtin

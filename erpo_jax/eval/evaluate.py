@@ -21,8 +21,6 @@ fold_in(fold_in(fold_in(key(seed), crc32(s)), round(1000 t)), i), so a
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 import zlib
 
@@ -30,14 +28,13 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from tensorboardX import SummaryWriter
 
 from erpo_jax.config import Config
 from erpo_jax.data.check import resolve_max_prompt_tokens
 from erpo_jax.data.prompts import encode_prompt
 from erpo_jax.data.sources import make_eval_source
-from erpo_jax.errors import ConfigError, PathError
-from erpo_jax.eval import passk
+from erpo_jax.errors import ConfigError
+from erpo_jax.eval import passk, report
 from erpo_jax.eval.passk import MEAN, metric_names, temperature_key
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.parallel import mesh as mesh_lib
@@ -272,9 +269,9 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
   tensorboard = cfg.log.tensorboard
   if multihost.is_main():  # and a folder the results cannot be written to
-    _check_writable(pathlib.Path(out).parent if out else pathlib.Path(cfg.run.dir) / "eval",
-                    "--out" if out else "run.dir")
-    if tensorboard and not _writable(pathlib.Path(cfg.run.dir) / "tb"):
+    report.check_writable(pathlib.Path(out).parent if out else pathlib.Path(cfg.run.dir) / "eval",
+                          "--out" if out else "run.dir")
+    if tensorboard and not report.writable(pathlib.Path(cfg.run.dir) / "tb"):
       multihost.warn(f"{pathlib.Path(cfg.run.dir) / 'tb'} is not writable: no TensorBoard scalars for this eval")
       tensorboard = False
   model, tokenizer = load_model(cfg.model)
@@ -292,44 +289,10 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   path = pathlib.Path(out) if out else (pathlib.Path(cfg.run.dir) / "eval" /
                                         (f"eval_step{step}.json" if step is not None else "eval_base.json"))
   if multihost.is_main():
-    write_json(path, results)
+    report.write_json(path, results)
     if tensorboard:
-      write_tensorboard(pathlib.Path(cfg.run.dir) / "tb", passk.scalars(results), step or 0)
+      report.write_tensorboard(pathlib.Path(cfg.run.dir) / "tb", passk.scalars(results), step or 0)
   multihost.log(passk.format_table(results))
   multihost.log(f"eval results: {path}")
   return results
 
-
-def _writable(folder: pathlib.Path) -> bool:
-  try:
-    folder.mkdir(parents=True, exist_ok=True)
-    probe = folder / f".write-test-{os.getpid()}"
-    probe.write_text("ok")
-    probe.unlink()
-    return True
-  except OSError:
-    return False
-
-
-def _check_writable(folder: pathlib.Path, what: str) -> None:
-  if not _writable(folder):
-    raise PathError(f"eval results cannot be written to '{folder}' (from {what}): it is not a writable folder; "
-                    "give --out <a file in a folder you can write>")
-
-
-def write_json(path: pathlib.Path, results: dict) -> None:
-  """Atomic write: a reader never sees half a file."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(results, indent=2) + "\n")
-  os.replace(tmp, path)
-
-
-def write_tensorboard(folder: pathlib.Path, values: dict[str, float], step: int) -> None:
-
-  writer = SummaryWriter(str(folder))
-  try:
-    for tag, v in values.items():
-      writer.add_scalar(tag, v, step)
-  finally:
-    writer.close()

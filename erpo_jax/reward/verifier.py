@@ -32,7 +32,8 @@ import time
 import numpy as np
 
 from erpo_jax.config import RewardSection
-from erpo_jax.reward.verify import extract_answer, is_equivalent, quick_equivalent  # noqa: F401  (re-exported)
+from erpo_jax.reward.extract import extract_answer
+from erpo_jax.reward.verify import quick_equivalent
 
 log = logging.getLogger(__name__)
 

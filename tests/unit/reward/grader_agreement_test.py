@@ -15,8 +15,8 @@ import pathlib
 import pytest
 
 from erpo_jax.config import RewardSection
+from erpo_jax.reward.extract import gold_answer
 from erpo_jax.reward.verifier import Verifier
-from erpo_jax.reward.verify import gold_answer
 
 CASES_FILE = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "grader_cases.jsonl"
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from erpo_jax.config import RewardSection
+from erpo_jax.reward.extract import extract_answer, is_pathological
 from erpo_jax.reward.verifier import Verifier
-from erpo_jax.reward.verify import extract_answer, is_equivalent, is_pathological, normalize, quick_equivalent
+from erpo_jax.reward.verify import is_equivalent, normalize, quick_equivalent
 
 # (response, ground truth, expected correct)
 CASES = [
