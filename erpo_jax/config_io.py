@@ -332,3 +332,14 @@ def _merge(dst: dict, src: dict) -> None:
 
 def dump_config(cfg: Config) -> str:
   return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+  """{'a': {'b': 1}} -> {'a.b': 1}."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out

@@ -196,3 +196,34 @@ def assert_same_as_reference(run_dir) -> None:
   assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step once, no gap, no duplicate"
   for g, w in zip(got, want):
     assert deterministic(g) == deterministic(w), f"metrics of step {g['step']} differ"
+
+
+# ----------------------------------------------------------------------------- damaging a checkpoint
+
+
+def largest_file(folder):
+  return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def overwrite_4k(step_dir):
+  """4 KiB of random bytes written over the middle of the largest params file of a step folder."""
+  f = largest_file(step_dir / "params")
+  data = bytearray(f.read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+  f.write_bytes(bytes(data))
+
+
+def truncate(step_dir):
+  f = largest_file(step_dir / "params")
+  os.truncate(f, f.stat().st_size // 2)
+
+
+def empty(step_dir):
+  for f in step_dir.rglob("*"):
+    if f.is_file():
+      os.truncate(f, 0)
+
+
+def no_params(step_dir):
+  shutil.rmtree(step_dir / "params")

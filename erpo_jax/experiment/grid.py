@@ -11,7 +11,7 @@ import typing
 from typing import Any
 
 from erpo_jax.config import Config
-from erpo_jax.config_io import load_config
+from erpo_jax.config_io import flatten, load_config
 from erpo_jax.config_run import ExperimentSection, VariantName
 from erpo_jax.errors import UserError
 
@@ -90,17 +90,6 @@ def base_config(cfg: Config) -> Config:
 def plan(cfg: Config) -> list[RunSpec]:
   """The grid's runs, seed-major (every variant of the first seed first, so a partial grid compares variants)."""
   return [RunSpec(v, s, run_config(cfg, v, s)) for s in cfg.experiment.seeds for v in cfg.experiment.variants]
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-  """{'a': {'b': 1}} -> {'a.b': 1}."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
 
 
 def config_diff(old: Config, new: Config) -> list[str]:

@@ -22,7 +22,7 @@ import os
 import pathlib
 import socket
 
-from erpo_jax.config_io import safe_yaml
+from erpo_jax.config_io import flatten, safe_yaml
 from erpo_jax.errors import PathError, UserError
 
 LOCK_FILE = "run.lock"
@@ -129,16 +129,6 @@ def _read_info(fd: int) -> dict:
 # ----------------------------------------------------------------------------- config on resume
 
 
-def _flat(d, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def run_defining(key: str) -> bool:
   """True when a change of config `key` changes the meaning of a resumed run (see RUN_DEFINING)."""
   hit = lambda names: any(key == n or key.startswith(n + ".") for n in names)
@@ -148,7 +138,7 @@ def run_defining(key: str) -> bool:
 def config_changes(saved: dict, new: dict) -> list[tuple[str, object, object]]:
   """(key, saved value, new value) of every leaf that differs; keys only one side has are skipped, and so is
   run.dir (a run folder may be moved)."""
-  a, b = _flat(saved), _flat(new)
+  a, b = flatten(saved), flatten(new)
   return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k != "run.dir"]
 
 

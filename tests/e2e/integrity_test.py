@@ -6,41 +6,12 @@ recompute a damaged reference cache, and end bit-identical to the
 uninterrupted run; with no intact checkpoint it stops with one line.
 """
 
-import os
 import shutil
 
-import numpy as np
 import pytest
 
 import tiny_runs
 from tiny_runs import STEPS, complete_steps
-
-
-def _largest_file(folder):
-  return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def _overwrite_4k(step_dir):
-  f = _largest_file(step_dir / "params")
-  data = bytearray(f.read_bytes())
-  mid = len(data) // 2
-  data[mid:mid + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
-  f.write_bytes(bytes(data))
-
-
-def _truncate(step_dir):
-  f = _largest_file(step_dir / "params")
-  os.truncate(f, f.stat().st_size // 2)
-
-
-def _empty(step_dir):
-  for f in step_dir.rglob("*"):
-    if f.is_file():
-      os.truncate(f, 0)
-
-
-def _no_params(step_dir):
-  shutil.rmtree(step_dir / "params")
 
 
 def _finished_copy(tmp_path):
@@ -56,7 +27,7 @@ def _warnings(stderr: str) -> list[str]:
 
 def test_overwritten_checkpoint_bytes_a_flipped_cache_bit_and_a_binary_metrics_line_resume_bit_identical(tmp_path):
   run = _finished_copy(tmp_path)
-  _overwrite_4k(run / "checkpoints" / "8")
+  tiny_runs.overwrite_4k(run / "checkpoints" / "8")
   cache = run / "cache" / "reference_cache.npz"
   data = bytearray(cache.read_bytes())
   data[len(data) // 2] ^= 0x01
@@ -75,7 +46,7 @@ def test_overwritten_checkpoint_bytes_a_flipped_cache_bit_and_a_binary_metrics_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", [_truncate, _empty, _no_params], ids=["truncated", "emptied", "params missing"])
+@pytest.mark.parametrize("damage", [tiny_runs.truncate, tiny_runs.empty, tiny_runs.no_params], ids=["truncated", "emptied", "params missing"])
 def test_an_incomplete_latest_checkpoint_resumes_from_the_previous_one_bit_identical(tmp_path, damage):
   run = _finished_copy(tmp_path)
   damage(run / "checkpoints" / "8")
@@ -89,7 +60,7 @@ def test_an_incomplete_latest_checkpoint_resumes_from_the_previous_one_bit_ident
 def test_no_intact_checkpoint_is_one_error_line_and_nothing_is_trained(tmp_path):
   run = _finished_copy(tmp_path)
   for step in complete_steps(run):
-    (_overwrite_4k if step % 4 else _no_params)(run / "checkpoints" / str(step))
+    (tiny_runs.overwrite_4k if step % 4 else tiny_runs.no_params)(run / "checkpoints" / str(step))
   before = tiny_runs.metrics_steps(run)
   proc = tiny_runs.run_train(run)
   lines = [l for l in proc.stderr.splitlines() if l.strip()]

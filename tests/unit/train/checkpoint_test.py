@@ -327,35 +327,8 @@ def test_restore_params_refuses_missing_checkpoints_and_other_models(tmp_path, t
 # ---------------- integrity: damaged checkpoints are found and the newest intact one is used
 
 
-def _largest_file(folder):
-  return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def _overwrite_4k(step_dir):
-  f = _largest_file(step_dir / "params")
-  data = bytearray(f.read_bytes())
-  mid = len(data) // 2
-  data[mid:mid + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
-  f.write_bytes(bytes(data))
-
-
-def _truncate(step_dir):
-  f = _largest_file(step_dir / "params")
-  os.truncate(f, f.stat().st_size // 2)
-
-
-def _empty(step_dir):
-  for f in step_dir.rglob("*"):
-    if f.is_file():
-      os.truncate(f, 0)
-
-
-def _no_params(step_dir):
-  shutil.rmtree(step_dir / "params")
-
-
-DAMAGE = {"4 KB overwritten": _overwrite_4k, "truncated": _truncate, "emptied": _empty,
-          "params folder missing": _no_params}
+DAMAGE = {"4 KB overwritten": tiny_runs.overwrite_4k, "truncated": tiny_runs.truncate, "emptied": tiny_runs.empty,
+          "params folder missing": tiny_runs.no_params}
 
 
 def _big_params(seed):
@@ -408,8 +381,8 @@ def test_no_intact_checkpoint_is_one_error_naming_each(tmp_path):
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
     for step in (1, 2):
       _save(c, step, _big_params(step))
-  _overwrite_4k(tmp_path / "checkpoints" / "2")
-  _no_params(tmp_path / "checkpoints" / "1")
+  tiny_runs.overwrite_4k(tmp_path / "checkpoints" / "2")
+  tiny_runs.no_params(tmp_path / "checkpoints" / "1")
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
     with pytest.raises(cio.CheckpointDamagedError, match=r"no intact checkpoint in .*checkpoints/2.*checkpoints/1"):
       c.restore_latest_intact(params_target=_big_params(0), opt_state_target={})
@@ -430,6 +403,6 @@ def test_restore_params_refuses_a_damaged_checkpoint_in_one_line(tmp_path, tiny_
   shutil.copytree(step_dir / "1" / "params", step_dir / "2" / "params")
   with pytest.raises(cio.CheckpointDamagedError, match=r"checkpoints/2: params array '.*' differs from its saved"):
     cio.restore_params(target, "latest", tmp_path)
-  _truncate(step_dir / "1")
+  tiny_runs.truncate(step_dir / "1")
   with pytest.raises(cio.CheckpointDamagedError, match=r"checkpoints/1: its arrays cannot be read"):
     cio.restore_params(target, "1", tmp_path)
