@@ -119,11 +119,13 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
-  # How the final answer is found (erpo_jax.verify.extract_answer): "boxed" is strict, the paper's
-  # setting: the last \boxed{} only. "gsm8k": the answer after "####". "last_number": the last
+  # How the final answer is found (erpo_jax.reward.extract.extract_answer): "boxed" is strict, the
+  # paper's setting: the last \boxed{} only. "gsm8k": the answer after "####". "last_number": the last
   # standalone number or inline-math span, never digits inside a word. "auto" is the lenient
   # fallback: boxed, else "####", else as last_number. Boxes are joined where the gold lists several.
-  extract: Literal["auto", "boxed", "gsm8k", "last_number"] = "auto"
+  # "data" (default): "boxed" for MATH-style training data (MATH-shaped files, the paper's presets),
+  # "auto" for everything else (GSM8K, verl/TRL shapes, named columns, builtin:arithmetic).
+  extract: Literal["data", "auto", "boxed", "gsm8k", "last_number"] = "data"
   timeout_s: float = 2.0  # per-answer verification limit, seconds of the verifier worker's CPU time
   workers: int = 2  # verifier worker processes
   correct: float = 1.0  # reward of a correct answer

@@ -141,9 +141,35 @@ def format_report(rep: DataReport, cfg) -> str:
 
 def run_check(cfg) -> DataReport:
   """erpo-jax data check: prints the report of cfg.data.source."""
+  cfg = resolve_extract(cfg)
   rep = check_data(cfg)
   print(format_report(rep, cfg))
   return rep
+
+
+def extraction_for_data(cfg) -> str:
+  """reward.extract=data resolved: "boxed" (the paper's strict setting) for MATH-style training data,
+  a MATH-shaped file or a preset, else "auto" (the lenient fallback)."""
+  spec = cfg.data.source
+  if spec.startswith(PRESET_PREFIX):
+    return "boxed"
+  if spec.startswith("builtin:"):
+    return "auto"
+  return "boxed" if _source_for_check(cfg).shape == "math" else "auto"  # malformed rows do not decide it
+
+
+def resolve_extract(cfg):
+  """cfg with reward.extract=data replaced by the mode its training data calls for; unchanged otherwise."""
+  if cfg.reward.extract != "data":
+    return cfg
+  mode = extraction_for_data(cfg)
+  log.info("reward.extract=data -> %s (training data %s)", mode, cfg.data.source)
+  return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, extract=mode))
+
+
+def resolve_for_data(cfg, tokenizer=None):
+  """The settings that follow from the data: data.max_prompt_tokens=0 and reward.extract=data."""
+  return resolve_extract(resolve_max_prompt_tokens(cfg, tokenizer))
 
 
 def resolve_max_prompt_tokens(cfg, tokenizer=None):

@@ -34,8 +34,9 @@ class RecordSource:
   """A list of Records held in memory, with the count of skipped malformed rows."""
 
   def __init__(self, name: str, records: list[Record], skipped: int = 0, bad_rows: tuple[str, ...] = (),
-               skip_reasons: dict[str, int] | None = None):
+               skip_reasons: dict[str, int] | None = None, shape: str = ""):
     self.name = name
+    self.shape = shape  # the row shape of a file (data.shapes.SHAPES), "" for builtin sources
     self.records = records
     self.skipped = skipped  # malformed rows skipped (on_bad_row=skip)
     self.bad_rows = bad_rows  # the first few of their messages
@@ -161,7 +162,7 @@ def _read_rows(p: pathlib.Path, rows, columns, format: str, prompt_column: str, 
     records.append(Record(id=rid, prompt=prompt, answer=answer, source=str(p), level=level))
   if not records:
     raise DataError(f"{p}: no usable rows" + (f" ({skipped} malformed, first: {bad[0]})" if bad else ""))
-  return RecordSource(str(p), records, skipped, tuple(bad), dict(reasons))
+  return RecordSource(str(p), records, skipped, tuple(bad), dict(reasons), shape=shape or "")
 
 
 def _reason(error: str) -> str:

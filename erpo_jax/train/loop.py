@@ -23,7 +23,7 @@ from flax import nnx
 
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
-from erpo_jax.data.check import resolve_max_prompt_tokens
+from erpo_jax.data.check import resolve_for_data
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
 from erpo_jax.errors import ConfigError, NonFiniteError, PathError, write_error
@@ -105,7 +105,7 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   Holds the run folder's lock throughout; a resume whose config changes what
   the run computes is refused unless `allow_config_change` (see run_folder).
   """
-  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
+  cfg = resolve_for_data(cfg)  # data.max_prompt_tokens=0 and reward.extract=data: what the data call for
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
     return _train(cfg, run_dir, allow_config_change, hooks)

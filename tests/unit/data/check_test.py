@@ -10,7 +10,7 @@ import pytest
 from erpo_jax.config import Config, DataSection, ModelSection, RewardSection
 from erpo_jax.config_io import load_config
 from erpo_jax.data import load_file
-from erpo_jax.data.check import (AUTO_CAP, check_data, format_report, resolve_max_prompt_tokens,
+from erpo_jax.data.check import (AUTO_CAP, check_data, format_report, resolve_extract, resolve_max_prompt_tokens,
                                   suggest_max_prompt_tokens)
 from erpo_jax.reward.verifier import Verifier
 
@@ -115,3 +115,14 @@ def test_a_missing_data_file_is_one_line_and_exit_code_2():
   assert proc.stderr.strip().splitlines() == [
       "erpo-jax data: error: data file '/nonexistent/math.jsonl' not found: provide a .jsonl or .parquet file of "
       "problems (data.source / eval.sets), or use builtin:arithmetic"]
+
+
+@pytest.mark.parametrize("source,mode", [("sample.math.jsonl", "boxed"), ("sample.gsm8k.jsonl", "auto"),
+                                         ("sample.verl.jsonl", "auto"), ("builtin:arithmetic", "auto")])
+def test_reward_extract_data_is_boxed_for_math_style_data_and_lenient_otherwise(source, mode):
+  spec = source if source.startswith("builtin:") else str(FIXTURES / source)
+  cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"data.source={spec}"])
+  assert cfg.reward.extract == "data"
+  assert resolve_extract(cfg).reward.extract == mode
+  explicit = load_config(ROOT / "configs" / "tiny.yaml", [f"data.source={spec}", "reward.extract=last_number"])
+  assert resolve_extract(explicit).reward.extract == "last_number"
