@@ -195,7 +195,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                               batch.question_masks if cfg.erpo.query_span == "question" else None)
       prompt_bucket = roll.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
-      want_policy_kl = policy_kl_fn is not None and log_step and step % cfg.log.policy_kl_every == 0
+      want_policy_kl = policy_kl_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
+                                                                 or step == cfg.train.steps)
       if want_policy_kl:  # before the update, which donates params: the policy that sampled
         policy_kl = policy_kl_fn(params, ref_params, update.tokens, update.prompt_mask, update.response_mask,
                                  prompt_bucket)

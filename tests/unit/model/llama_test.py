@@ -127,7 +127,7 @@ def test_bf16_compute_is_close_to_f32():
 SHARDED = """
 import jax, numpy as np
 from erpo_jax.parallel import mesh as mesh_lib
-from erpo_jax.model import llama
+from erpo_jax.model import logprobs
 from erpo_jax.model.io import loading
 mesh = jax.make_mesh((1, 2, 2), mesh_lib.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 net = loading.load_hf_model("{folder}", sharding_for=mesh_lib.sharding_for_axes(mesh))

@@ -44,7 +44,8 @@ def make_rows(seed=0, b=B, g=G, s=S, p=P, r=R):
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
 def _both(graph, state, tokens, prompt_len, g, temperature, p_r=(P, R)):
   model = nnx.merge(graph, state)
-  plain = logprobs.log_probs(model, tokens, chunk=16, temperature=temperature, with_entropy=True)
+  plain = logprobs.log_probs(model, tokens, prompt_len_N=prompt_len, chunk=16, temperature=temperature,
+                             with_entropy=True)
   shared = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, g, prompt_bucket=p_r[0],
                                                  response_bucket=p_r[1], chunk=16, temperature=temperature,
                                                  with_entropy=True)

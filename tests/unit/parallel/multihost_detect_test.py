@@ -152,7 +152,7 @@ def test_global_to_host_local_is_the_whole_array_on_one_process():
 _WORKER = textwrap.dedent("""
   import argparse, json
   import numpy as np
-  from erpo_jax.parallel import multihost
+  from erpo_jax.parallel import multihost, transfer
   parser = argparse.ArgumentParser()
   for flag in ("--coordinator", "--num-processes", "--process-id"):
     parser.add_argument(flag)

@@ -81,7 +81,7 @@ def test_logp_at_temperature_one_equals_model_log_probs(model):
 def test_logp_at_temperature_is_of_the_tempered_distribution(model):
   s = Sampler(model, tok(), max_new_tokens=8, min_prompt_bucket=4)
   r = s.generate(model, PROMPTS, group_size=2, key=jax.random.key(7), temperature=0.6)
-  want = logprobs.log_probs(model, r.tokens, temperature=0.6)
+  want = logprobs.log_probs(model, r.tokens, prompt_len_N=r.prompt_len, temperature=0.6)  # responses at T
   mask = np.asarray(r.response_mask)
   np.testing.assert_allclose(np.asarray(r.logp)[mask], np.asarray(want)[mask], atol=1e-5)
 

@@ -49,7 +49,7 @@ def test_microbatches_1_2_4_give_the_same_update(weights):
     for a, b in zip(out[1][0], out[k][0]):
       np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     for name, value in out[1][1].items():
-      assert out[k][1][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (k, name)
+      assert out[k][1][name] == pytest.approx(value, rel=1e-5, abs=5e-5), (k, name)  # ratio: 1 +- float noise
 
 
 def test_logged_grad_norm_is_the_norm_of_the_gradient_that_is_clipped_and_applied():
