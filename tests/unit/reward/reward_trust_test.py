@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from erpo_jax.config import RewardSection
+from erpo_jax.reward.extract import all_boxed, extract_answer, gold_answer, has_several_elements
 from erpo_jax.reward.verifier import Verifier
-from erpo_jax.reward.verify import (all_boxed, extract_answer, gold_answer, has_several_elements, is_equivalent, normalize,
-                             quick_equivalent)
+from erpo_jax.reward.verify import is_equivalent, normalize, quick_equivalent
 
 # (response, ground truth, expected correct) through Verifier.score with reward.extract=auto
 CASES = [
