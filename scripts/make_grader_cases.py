@@ -10,7 +10,7 @@ github.com/openai/grade-school-math (grade_school_math/data/example_model_soluti
 model solutions the data set's authors marked correct or not; the first 50 problems, all four
 solutions each; the gold is the number after "A:").
 Each line: {"pred", "gold", "expected", "source"}; `pred` is the response given to the
-verifier, `gold` the ground-truth text (erpo_jax.verify.gold_answer reads its answer).
+verifier, `gold` the ground-truth text (erpo_jax.reward.extract.gold_answer reads its answer).
 Cases where erpo-jax's verdict differs from the expected one carry `erpo_jax_verdict_reason`
 (REASONS below, keyed by test, prediction and gold): why erpo-jax's verdict is the right one.
 """
