@@ -145,9 +145,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     from erpo_jax.data.check import run_check
     run_check(cfg)
     return 0
-  if args.command in ("train", "eval", "weights", "sample", "bench"):
-    from erpo_jax.data.check import resolve_for_data
-    cfg = resolve_for_data(cfg)
+  if args.command in ("train", "eval", "weights", "sample", "bench") and cfg.data.max_prompt_tokens == 0:
+    from erpo_jax.data.check import resolve_max_prompt_tokens
+    cfg = resolve_max_prompt_tokens(cfg)
   multihost.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
   if args.command == "train":

@@ -159,17 +159,15 @@ def extraction_for_data(cfg) -> str:
 
 
 def resolve_extract(cfg):
-  """cfg with reward.extract=data replaced by the mode its training data calls for; unchanged otherwise."""
+  """cfg with reward.extract=data replaced by the mode its training data calls for; unchanged otherwise.
+
+  Applied where the verifier is made (the run's saved config keeps `data`, so a resume or a rerun of an
+  experiment compares like with like)."""
   if cfg.reward.extract != "data":
     return cfg
   mode = extraction_for_data(cfg)
   log.info("reward.extract=data -> %s (training data %s)", mode, cfg.data.source)
   return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, extract=mode))
-
-
-def resolve_for_data(cfg, tokenizer=None):
-  """The settings that follow from the data: data.max_prompt_tokens=0 and reward.extract=data."""
-  return resolve_extract(resolve_max_prompt_tokens(cfg, tokenizer))
 
 
 def resolve_max_prompt_tokens(cfg, tokenizer=None):

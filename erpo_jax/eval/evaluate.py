@@ -30,7 +30,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from erpo_jax.config import Config
-from erpo_jax.data.check import resolve_for_data
+from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
 from erpo_jax.data.prompts import encode_prompt
 from erpo_jax.data.sources import make_eval_source
 from erpo_jax.errors import ConfigError
@@ -201,7 +201,7 @@ def evaluate(model_or_state, graphdef, tokenizer, cfg: Config, *, sets, temperat
   multiple = mesh_lib.num_batch_shards(mesh) if mesh is not None else 1
   names = metric_names(k)
   own_verifier = verifier is None
-  verifier = Verifier(cfg.reward) if own_verifier else verifier
+  verifier = Verifier(resolve_extract(cfg).reward) if own_verifier else verifier
   try:
     by_set = {}
     for es in eval_sets:
@@ -264,7 +264,7 @@ def run_eval(cfg: Config, *, checkpoint: str | None = None, out: str | None = No
   step (0 for the base model), and prints the table. Returns the results.
   """
 
-  cfg = resolve_for_data(cfg)  # data.max_prompt_tokens=0 and reward.extract=data: what the data call for
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   mesh = mesh_lib.make_mesh(cfg.mesh)
   read = read_eval_records(cfg, cfg.eval.sets, cfg.eval.max_problems)  # data errors before the slow model load
   tensorboard = cfg.log.tensorboard

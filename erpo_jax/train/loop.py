@@ -23,7 +23,7 @@ from flax import nnx
 
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
-from erpo_jax.data.check import resolve_for_data
+from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
 from erpo_jax.errors import ConfigError, NonFiniteError, PathError, write_error
@@ -105,7 +105,7 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   Holds the run folder's lock throughout; a resume whose config changes what
   the run computes is refused unless `allow_config_change` (see run_folder).
   """
-  cfg = resolve_for_data(cfg)  # data.max_prompt_tokens=0 and reward.extract=data: what the data call for
+  cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
     return _train(cfg, run_dir, allow_config_change, hooks)
@@ -175,7 +175,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
     index_log = open(index_path, "a", encoding="utf-8")
   G = cfg.rollout.group_size
   last: dict[str, float] = {}
-  with Verifier(cfg.reward) as verifier, _Preemption() as preempt:
+  with Verifier(resolve_extract(cfg).reward) as verifier, _Preemption() as preempt:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
       batch = next(data)
