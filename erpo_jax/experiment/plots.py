@@ -19,6 +19,16 @@ SIZE = (6.0, 3.6)  # inches; at DPI 100: 600 x 360 pixels
 DPI = 100
 
 
+def _label(ax, title: str, xlabel: str, ylabel: str, *, legend: bool, **legend_kw) -> None:
+  """Title, axis labels and a light grid; the legend when there is something to name."""
+  ax.set_title(title)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  if legend:
+    ax.legend(**legend_kw)
+
+
 def _finite(xs, ys, positive: bool = False):
   keep = [(x, y) for x, y in zip(xs, ys)
           if y is not None and math.isfinite(y) and (y > 0 or not positive)]
@@ -44,12 +54,7 @@ def step_plot(path, series: dict[str, tuple[list[int], list[float]]], *, title: 
     ax.plot(xs, ys, label=label, linewidth=1.5, marker="o" if len(xs) <= 20 else None, markersize=3)
   if logy:
     ax.set_yscale("log")
-  ax.set_title(title)
-  ax.set_xlabel("step")
-  ax.set_ylabel(ylabel)
-  ax.grid(alpha=0.3)
-  if series:
-    ax.legend(fontsize="small")
+  _label(ax, title, "step", ylabel, legend=bool(series), fontsize="small")
   data = {"title": title, "xlabel": "step", "ylabel": ylabel, "note": note,
           "series": {label: {"x": list(s), "y": list(v)} for label, (s, v) in series.items()}}
   return _save(fig, path, data)
@@ -71,12 +76,7 @@ def kl_pair_plot(path, query: dict[str, tuple[list[int], list[float]]],
         series[f"{label} {kind}"] = {"x": list(src[label][0]), "y": list(src[label][1])}
   ax.set_yscale("log")
   title = "Query-KL (solid) vs Policy-KL (dashed)"
-  ax.set_title(title)
-  ax.set_xlabel("step")
-  ax.set_ylabel("k3 KL to the reference")
-  ax.grid(alpha=0.3)
-  if series:
-    ax.legend(fontsize="x-small", ncol=2)
+  _label(ax, title, "step", "k3 KL to the reference", legend=bool(series), fontsize="x-small", ncol=2)
   return _save(fig, path, {"title": title, "xlabel": "step", "ylabel": "k3 KL to the reference", "note": note,
                            "series": series})
 
@@ -92,12 +92,8 @@ def temperature_plot(path, series: dict[str, dict[str, list[float]]], *, k: int)
       ax.plot(xs, ys, label=label, marker="o", markersize=3, linewidth=1.5)
       top = max([top, *ys])
     ax.set_ylim(0, min(100.0, top * 1.15 + 1.0))
-    ax.set_title(f"{name} against sampling temperature")
-    ax.set_xlabel("temperature")
-    ax.set_ylabel(f"{name} (%)")
-    ax.grid(alpha=0.3)
-    if series:
-      ax.legend(fontsize="small")
+    _label(ax, f"{name} against sampling temperature", "temperature", f"{name} (%)", legend=bool(series),
+           fontsize="small")
   title = f"held-out accuracy against temperature (Avg@{k}, Pass@{k})"
   return _save(fig, path, {"title": title, "xlabel": "temperature", "ylabel": "%", "k": k,
                            "series": {label: dict(s) for label, s in series.items()}})
@@ -114,10 +110,6 @@ def nll_scatter(path, results: dict[str, dict]) -> dict:
     series[label] = {"x": list(r["question_nll"]), "y": list(r["response_nll"]), "pearson": r["pearson"],
                      "spearman": r["spearman"]}
   title = "question NLL vs response NLL"
-  ax.set_title(title)
-  ax.set_xlabel("question NLL (nats, summed over prompt tokens)")
-  ax.set_ylabel("response NLL (nats, mean of G)")
-  ax.grid(alpha=0.3)
-  if results:
-    ax.legend(fontsize="x-small")
+  _label(ax, title, "question NLL (nats, summed over prompt tokens)", "response NLL (nats, mean of G)",
+         legend=bool(results), fontsize="x-small")
   return _save(fig, path, {"title": title, "xlabel": "question NLL", "ylabel": "response NLL", "series": series})
