@@ -167,7 +167,8 @@ class Checkpointer:
                       f"optimizer; resume with the settings it was saved with")
     items = {k: ocp.args.StandardRestore(cio.abstract(t)) for k, t in targets.items() if saved_leaves[k]}
     try:
-      out = self._mgr.restore(step, args=ocp.args.Composite(**items, data=cio.DataStateRestore()))
+      with cio.quiet_reader_errors():
+        out = self._mgr.restore(step, args=ocp.args.Composite(**items, data=cio.DataStateRestore()))
     except UserError:
       raise
     except Exception as e:  # pylint: disable=broad-except

@@ -4,9 +4,12 @@ and export. train/checkpoint.py's Checkpointer writes and restores a run's check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +63,40 @@ def _checksums(leaves: list) -> jax.Array:
     b = jnp.sum((words ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B) * (2 * i + 3), dtype=jnp.uint32)
     out.append(jnp.stack([a, b]))
   return jnp.stack(out)
+
+
+# ---------------- damaged arrays: one error, not one traceback per concurrent reader
+
+# Orbax reads the arrays of a checkpoint in concurrent coroutines. When the bytes of several arrays are damaged,
+# the first failure is raised to the caller (and reported there in one line); the other readers are abandoned
+# mid-read and raise again when they are garbage-collected, which Python prints as "Exception ignored in
+# <coroutine ...>" with a traceback, at a moment that depends on the garbage collector.
+READER_ERROR = "Encountered error while reading array index"
+
+
+def _drop_reader_errors(previous):
+  def hook(unraisable):
+    if READER_ERROR in str(unraisable.exc_value) and "coroutine" in repr(unraisable.object):
+      return
+    previous(unraisable)
+  hook.drops_reader_errors = True
+  return hook
+
+
+@contextlib.contextmanager
+def quiet_reader_errors():
+  """Drops the abandoned readers' second reports of a read error that a restore within has raised.
+
+  The filter stays installed for the rest of the process (the readers may be collected after the restore
+  returns); every other unraisable exception still reaches the hook installed before it.
+  """
+  if not getattr(sys.unraisablehook, "drops_reader_errors", False):
+    sys.unraisablehook = _drop_reader_errors(sys.unraisablehook)
+  try:
+    yield
+  except BaseException:
+    gc.collect()
+    raise
 
 
 # ---------------- data-iterator state
@@ -230,7 +267,8 @@ def restore_params(model: nnx.Module, checkpoint: str, run_dir):
       raise CheckpointDamagedError(f"checkpoint {step_dir}: its params cannot be read ({first_line(e)})") from None
     check_params_fit(saved, state, step_dir, saved_fingerprint(step_dir))
     try:
-      restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(abstract(state)))
+      with quiet_reader_errors():
+        restored = ckptr.restore(step_dir / "params", args=ocp.args.StandardRestore(abstract(state)))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointDamagedError(f"checkpoint {step_dir}: its arrays cannot be read ({first_line(e)})") from None
   bad = checksum_mismatch(restored, saved_meta(step_dir).get("checksums", {}).get("params"))
