@@ -147,9 +147,15 @@ class RolloutSection:
   top_p: float = 1.0
   top_k: int = 0  # 0 = off
   min_prompt_bucket: int = 16  # prompt lengths are padded to powers of two >= this
+  # DAPO dynamic sampling: groups whose G rewards are all equal are dropped and the next data.batch_size
+  # prompts are sampled (at most max_extra_rounds more times per step) until the batch is full of groups
+  # with reward spread; places still empty then take dropped groups (train/dynamic_sampling.py).
+  dynamic_sampling: bool = False
+  max_extra_rounds: int = 4
 
   def __post_init__(self):
     check_field(self.group_size >= 1, "rollout.group_size", "an integer >= 1", self.group_size)
+    check_field(self.max_extra_rounds >= 0, "rollout.max_extra_rounds", "an integer >= 0", self.max_extra_rounds)
     check_field(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
     check_field(self.temperature >= 0, "rollout.temperature", "a number >= 0", self.temperature)
     check_field(0 < self.top_p <= 1, "rollout.top_p", "a number in (0, 1]", self.top_p)

@@ -34,7 +34,7 @@ from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import multihost, transfer
 from erpo_jax.reward.verifier import RewardResult, Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
-from erpo_jax.train import optim
+from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
@@ -91,12 +91,30 @@ class _Preemption:
 # ----------------------------------------------------------------------------- the loop
 
 
+def _all_processes(flag: bool) -> bool:
+  """True when `flag` holds on every process (a collective on several processes)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(transfer.allgather_rows(np.array([flag])).all())
+
+
+def _sum_over_processes(counts: dict[str, float]) -> dict[str, float]:
+  if jax.process_count() == 1:
+    return counts
+  keys = sorted(counts)
+  total = transfer.allgather_rows(np.array([[counts[k] for k in keys]], np.float64)).sum(axis=0)
+  # Rounds are drawn by all processes together: the same on each, not a sum.
+  return {k: (counts[k] if k == "sampling/extra_rounds" else float(v)) for k, v in zip(keys, total)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Hooks:
   """Points where tests inject faults into a real run; the defaults change nothing."""
 
-  # (step, rewards of that step) -> the rewards the update sees
+  # (step, rewards of that step) -> the rewards the update sees (called for every round drawn)
   scored: Callable[[int, RewardResult], RewardResult] = lambda step, scored: scored
+  # (step, round) before each extra round of dynamic sampling
+  refill: Callable[[int, int], None] = lambda step, round_: None
 
 
 def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hooks()) -> dict[str, float]:
@@ -178,22 +196,45 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   with Verifier(resolve_extract(cfg).reward) as verifier, _Preemption() as preempt:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
-      batch = next(data)
-      if index_log is not None:
-        index_log.write(json.dumps({"step": step, "index": batch.index.tolist()}) + "\n")
-        index_log.flush()
-      # The sampler gathers every process's prompts into one global batch (group ids count over all of them).
-      roll = sampler.generate(params, batch.prompt_tokens, group_size=G, key=jax.random.fold_in(base_key, step))
-      host = to_host(roll)
-      t1 = time.perf_counter()
+      step_key = jax.random.fold_in(base_key, step)
+      seconds = {"rollout": 0.0, "reward": 0.0}  # summed over the rounds drawn
 
-      texts = response_texts(host.tokens, host.prompt_len, host.response_len, tokenizer)
-      scored = hooks.scored(step, verifier.score(texts, [a for a in batch.answers for _ in range(G)]))
+      def draw(round_: int) -> dynamic_sampling.Drawn:
+        """The next B prompts, sampled (round 0 with the step's key) and scored."""
+        if round_:
+          hooks.refill(step, round_)
+        t_round = time.perf_counter()
+        batch = next(data)
+        # The sampler gathers every process's prompts into one global batch (group ids count over all of them).
+        roll = sampler.generate(params, batch.prompt_tokens, group_size=G,
+                                key=jax.random.fold_in(step_key, round_) if round_ else step_key)
+        host = to_host(roll)
+        ta = time.perf_counter()
+        texts = response_texts(host.tokens, host.prompt_len, host.response_len, tokenizer)
+        scored = hooks.scored(step, verifier.score(texts, [a for a in batch.answers for _ in range(G)]))
+        tb = time.perf_counter()
+        seconds["rollout"] += ta - t_round
+        seconds["reward"] += tb - ta
+        return dynamic_sampling.Drawn(batch, host, texts, scored)
+
+      drawn, sampling = draw(0), {}
+      if cfg.rollout.dynamic_sampling:
+        drawn, counts, rounds = dynamic_sampling.fill(drawn, draw, group_size=G,
+                                                      max_extra_rounds=cfg.rollout.max_extra_rounds,
+                                                      pad_id=sampler.pad_id, all_full=_all_processes)
+        sampling = dynamic_sampling.finalize(_sum_over_processes(counts))
+      batch, host, texts, scored = drawn.batch, drawn.host, drawn.texts, drawn.scored
+      if index_log is not None:
+        entry = {"step": step, "index": batch.index.tolist()}
+        if cfg.rollout.dynamic_sampling:
+          entry["drawn"] = [i for d in rounds for i in d.batch.index.tolist()]
+        index_log.write(json.dumps(entry) + "\n")
+        index_log.flush()
       t2 = time.perf_counter()
 
       update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh,
                               batch.question_masks if cfg.erpo.query_span == "question" else None)
-      prompt_bucket = roll.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's
+      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
       want_policy_kl = policy_kl_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
                                                                  or step == cfg.train.steps)
@@ -222,7 +263,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         if want_policy_kl:
           last["kl/policy"] = float(policy_kl)
         last.update(rollout_metrics(host, scored.rewards, scored.correct, t4 - t0, scored.timeouts, scored.crashes))
-        last.update({"time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t3 - t2,
+        last.update(sampling)
+        last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
                      "time/update": t4 - t3, "time/step": t4 - t0})
         last.update(evaluation)
         metrics_out.write(step, last)
