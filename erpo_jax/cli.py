@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
   _add_common(p)
+  p.add_argument("--report-only", action="store_true",
+                 help="write report.md and plots from what the grid has finished so far; run nothing")
 
   p = sub.add_parser("analyze", help="question NLL vs the NLL of sampled responses (Pearson, Spearman, scatter)")
   _add_common(p)
@@ -170,8 +172,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     from erpo_jax.bench.run import run_bench
     run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
   elif args.command == "experiment":
-    from erpo_jax.experiment.runner import run_experiment
-    run_experiment(cfg)
+    from erpo_jax.experiment.runner import run_experiment, write_partial_report
+    if args.report_only:
+      print(f"report: {write_partial_report(cfg)}")
+    else:
+      run_experiment(cfg)
   elif args.command == "analyze":
     from erpo_jax.experiment.analyze import run_analyze
     run_analyze(cfg, checkpoint=args.checkpoint, num=args.num, out=args.out)

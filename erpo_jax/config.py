@@ -131,12 +131,21 @@ class RewardSection:
   correct: float = 1.0  # reward of a correct answer
   wrong: float = 0.0  # reward of a wrong or missing answer
   format_bonus: float = 0.0  # added when an answer could be extracted
+  # DAPO's soft overlong punishment: with L_max = rollout.max_new_tokens and L_cache = overlong_buffer,
+  # a response of |y| tokens (EOS included; a truncated one has |y| = L_max) gets
+  # ((L_max - L_cache) - |y|) / L_cache * overlong_penalty added to its reward when |y| > L_max - L_cache.
+  overlong_buffer: int = 0  # L_cache, tokens; 0 = off; must be < rollout.max_new_tokens
+  overlong_penalty: float = 1.0  # the penalty at |y| = L_max (reward units)
 
   def __post_init__(self):
     check_field(0 < self.timeout_s <= 3600, "reward.timeout_s", "a number of seconds in (0, 3600]", self.timeout_s)
     check_field(self.workers >= 1, "reward.workers", "an integer >= 1", self.workers)
     for f in ("correct", "wrong", "format_bonus"):  # a NaN/Inf reward would make every advantage NaN
       check_field(math.isfinite(getattr(self, f)), f"reward.{f}", "a finite number", getattr(self, f))
+    check_field(self.overlong_buffer >= 0, "reward.overlong_buffer", "an integer >= 0 (0 = off)",
+           self.overlong_buffer)
+    check_field(0 <= self.overlong_penalty < math.inf, "reward.overlong_penalty", "a finite number >= 0",
+           self.overlong_penalty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +213,12 @@ class PpoSection:
   eps_high: float = 0.2
   dual_clip: float | None = None  # c > 1, or null for off
   loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
-  advantage_scale: Literal["group", "batch", "none"] = "group"  # none = Dr.GRPO
-  advantage_eps: float = 1e-6
+  # Advantage estimator (SPEC section 3): grpo = group mean/std; rloo = r_i minus the mean of the group's
+  # other rows; reinforce = r_i minus the group mean (= grpo with advantage_scale=none).
+  advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+  # grpo only: the std that divides r_i - mean_g; none = Dr.GRPO.
+  advantage_scale: Literal["group", "batch", "none"] = "group"
+  advantage_eps: float = 1e-6  # grpo only: added to the std
   # Optimizer steps per update batch: each minibatch (B / minibatches whole prompt groups) is one step,
   # its loss normalised over its own tokens / rows (verl's convention).
   minibatches: int = 1
@@ -214,6 +227,9 @@ class PpoSection:
   microbatches: int = 1
   epochs: int = 1  # passes over each update batch
   entropy_coef: float = 0.0
+  # DAPO's overlong filtering: rows truncated at rollout.max_new_tokens (no EOS) are left out of the loss
+  # (policy-gradient term, response KL and their token / row counts); their rewards still enter the advantages.
+  mask_truncated: bool = False
 
   def __post_init__(self):
     check_field(0 <= self.eps_low < 1, "ppo.eps_low", "a number in [0, 1)", self.eps_low)
@@ -222,9 +238,12 @@ class PpoSection:
     check_field(self.minibatches >= 1, "ppo.minibatches", "an integer >= 1", self.minibatches)
     check_field(self.microbatches >= 1, "ppo.microbatches", "an integer >= 1", self.microbatches)
     check_field(self.epochs >= 1, "ppo.epochs", "an integer >= 1", self.epochs)
+    check_field(self.advantage == "grpo" or self.advantage_scale == "group", "ppo.advantage_scale",
+           f"'group' (the default) with ppo.advantage={self.advantage}: advantage_scale applies to "
+           "ppo.advantage=grpo only", self.advantage_scale)
     # With eps = 0 a group whose rewards are all equal divides 0 by 0.
-    check_field(0 < self.advantage_eps < math.inf or self.advantage_scale == "none", "ppo.advantage_eps",
-           "a finite number > 0 (or ppo.advantage_scale=none)", self.advantage_eps)
+    check_field(0 < self.advantage_eps < math.inf or self.advantage_scale == "none" or self.advantage != "grpo",
+           "ppo.advantage_eps", "a finite number > 0 (or ppo.advantage_scale=none)", self.advantage_eps)
     check_field(math.isfinite(self.entropy_coef), "ppo.entropy_coef", "a finite number", self.entropy_coef)
 
 
@@ -268,9 +287,13 @@ class Config:
   experiment: ExperimentSection = ExperimentSection()
 
   def __post_init__(self):
-    check_field(not (self.rollout.group_size < 2 and self.ppo.advantage_scale != "none"), "rollout.group_size",
-           "an integer >= 2 for group-relative advantages (or ppo.advantage_scale=none)",
+    grpo_unscaled = self.ppo.advantage == "grpo" and self.ppo.advantage_scale == "none"
+    check_field(self.rollout.group_size >= 2 or grpo_unscaled, "rollout.group_size",
+           "an integer >= 2 for group-relative advantages (or ppo.advantage=grpo with ppo.advantage_scale=none)",
            self.rollout.group_size)
+    check_field(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
+           f"fewer tokens than rollout.max_new_tokens={self.rollout.max_new_tokens} (0 = off)",
+           self.reward.overlong_buffer)
     check_field(self.data.batch_size % self.ppo.minibatches == 0, "ppo.minibatches",
            f"a divisor of data.batch_size={self.data.batch_size}", self.ppo.minibatches)
     check_field(self.data.batch_size % (self.ppo.minibatches * self.ppo.microbatches) == 0, "ppo.microbatches",

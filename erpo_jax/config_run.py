@@ -107,7 +107,8 @@ class RunSection:
 
 
 # The ablation variants of `erpo-jax experiment` (their overrides: erpo_jax/experiment/grid.py VARIANTS).
-VariantName = Literal["grpo", "grpo_star", "query_kl", "erpo_static", "erpo_dynamic"]
+VariantName = Literal["grpo", "grpo_star", "query_kl", "erpo_static", "erpo_dynamic", "rloo", "rloo_erpo", "dapo",
+                      "dapo_erpo"]
 
 
 @dataclasses.dataclass(frozen=True)

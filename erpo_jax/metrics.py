@@ -26,14 +26,16 @@ SPEC_SCALARS = (
     "kl/query",  # Query-KL: mean k3 over prompt tokens (logged whichever KL is penalised)
     "kl/policy",  # Policy-KL: mean k3 over response tokens
     "kl/clamped_frac",  # fraction of tokens whose estimator hit erpo.kl_max
-    "reward/mean",
+    "reward/mean",  # of the reward the advantages see (verifier reward + overlong penalty)
     "reward/std",
     "reward/accuracy",  # fraction of responses judged correct
+    "reward/overlong_penalty",  # mean DAPO overlong penalty over rows (0 when reward.overlong_buffer = 0)
     "reward/zero_std_groups",  # fraction of groups whose G rewards are all equal
     "entropy/mean",  # mean next-token entropy over response tokens (nats)
     "loss/pg",
     "loss/kl",  # the KL term before alpha (the penalised side: erpo.kl_on)
     "loss/total",
+    "loss/masked_truncated",  # fraction of rows ppo.mask_truncated leaves out of the loss
     "clip/low",  # fraction of response tokens clipped at 1 - eps_low
     "clip/high",  # ... at 1 + eps_high
     "clip/dual",  # ... by the dual clip c

@@ -64,7 +64,9 @@ def synthetic_batch(prompt_tokens: list[list[int]], group_size: int, max_new_tok
   ref_logp = np.where(prompt_mask & (pos >= 1), -rng.uniform(0.0, 5.0, (N, S)), 0.0).astype(np.float32)
   return {"tokens": tokens, "prompt_mask": prompt_mask, "query_mask": prompt_mask, "response_mask": response_mask,
           "rewards": rng.integers(0, 2, N).astype(np.float32), "ref_logp": ref_logp,
-          "static_weight": rng.uniform(0.5, 2.0, N).astype(np.float32), "prompt_len": len_N,
+          "static_weight": rng.uniform(0.5, 2.0, N).astype(np.float32),
+          "truncated": np.zeros(N, bool),  # every row stays in the loss whatever ppo.mask_truncated says
+          "prompt_len": len_N,
           "response_len": resp_len_N}
 
 

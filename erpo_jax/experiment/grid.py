@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from erpo_jax.config import Config
@@ -15,7 +16,26 @@ from erpo_jax.config_io import flatten, load_config
 from erpo_jax.config_run import ExperimentSection, VariantName
 from erpo_jax.errors import UserError
 
-# The paper's variants, each one set of config overrides on top of the experiment's config.
+
+@dataclasses.dataclass(frozen=True)
+class FromConfig:
+  """An override whose value follows from the experiment's config; the report shows `label`."""
+
+  label: str
+  value: Callable[[Config], Any]
+
+  def __str__(self) -> str:
+    return self.label
+
+
+# DAPO's overlong buffer L_cache: the last quarter of the response budget, whatever the experiment's budget.
+_QUARTER_OF_MAX_NEW_TOKENS = FromConfig("rollout.max_new_tokens/4", lambda cfg: cfg.rollout.max_new_tokens // 4)
+_DAPO = {"rollout.dynamic_sampling": True, "ppo.eps_low": 0.2, "ppo.eps_high": 0.28, "ppo.loss_aggregation": "token-mean",
+         "reward.overlong_buffer": _QUARTER_OF_MAX_NEW_TOKENS, "reward.overlong_penalty": 1.0,
+         "ppo.mask_truncated": False}  # DAPO's soft overlong penalty, not overlong filtering
+
+# The paper's variants, each one set of config overrides on top of the experiment's config,
+# then RLOO and DAPO, each alone and with ERPO's two components (as configs/rloo*.yaml, configs/dapo*.yaml).
 VARIANTS: dict[str, dict[str, Any]] = {
     # GRPO: k3 policy-KL on the response tokens, no question weights (needs the reference forward).
     "grpo": {"erpo.kl_on": "response", "erpo.weights": "none", "erpo.reference": "forward"},
@@ -27,6 +47,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "erpo_static": {"erpo.kl_on": "prompt", "erpo.weights": "static"},
     # ERPO as in the public implementation: Query-KL and the current policy's prompt-NLL weights.
     "erpo_dynamic": {"erpo.kl_on": "prompt", "erpo.weights": "dynamic"},
+    # RLOO advantages with GRPO's k3 policy-KL on the response tokens, no weights.
+    "rloo": {"ppo.advantage": "rloo", "erpo.kl_on": "response", "erpo.weights": "none", "erpo.reference": "forward"},
+    # RLOO advantages with ERPO: Query-KL and static weights.
+    "rloo_erpo": {"ppo.advantage": "rloo", "erpo.kl_on": "prompt", "erpo.weights": "static"},
+    # DAPO: dynamic sampling, clip-higher, token-mean aggregation, soft overlong punishment; no KL, no weights.
+    "dapo": {**_DAPO, "erpo.kl_on": "none", "erpo.weights": "none"},
+    # DAPO with ERPO: Query-KL and static weights.
+    "dapo_erpo": {**_DAPO, "erpo.kl_on": "prompt", "erpo.weights": "static"},
 }
 assert set(VARIANTS) == set(typing.get_args(VariantName)), "config.VariantName and VARIANTS disagree"
 
@@ -72,7 +100,7 @@ def run_config(cfg: Config, variant: str, seed: int) -> Config:
   leaves the config of the runs already made unchanged.
   """
   exp = cfg.experiment
-  overrides = dict(VARIANTS[variant])
+  overrides = {k: v.value(cfg) if isinstance(v, FromConfig) else v for k, v in VARIANTS[variant].items()}
   overrides.update({"train.seed": seed, "data.shuffle_seed": seed,
                     "run.dir": str(pathlib.Path(exp.dir) / RUNS_DIR / run_name(variant, seed))})
   if not cfg.erpo.cache_dir:

@@ -182,6 +182,18 @@ def run_experiment(cfg: Config, *, out=None) -> pathlib.Path | None:
   return path
 
 
+def write_partial_report(cfg: Config) -> pathlib.Path:
+  """report.md and plots from the runs and evaluations finished so far (a grid still running, or stopped)."""
+  root = pathlib.Path(cfg.experiment.dir)
+  if not (root / "experiment.yaml").is_file():
+    raise PathError(f"experiment.dir '{root}' holds no experiment (no experiment.yaml); run "
+                    "'erpo-jax experiment --config ...' first")
+  specs = grid.plan(cfg)
+  for s in specs:
+    grid.check_existing(s)
+  return write_report(cfg, specs)
+
+
 # ----------------------------------------------------------------------------- the report
 
 

@@ -70,7 +70,7 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
       query_mask[n, :len(m)] = m
   local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S], query_mask=query_mask,
                response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
-               static_weight=static_w)
+               static_weight=static_w, truncated=h.truncated.astype(bool))
   return train_step.UpdateBatch(**{
       k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
 
@@ -89,20 +89,26 @@ def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
 
 
 def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,
-                    timeouts: int = 0, crashes: int = 0) -> dict[str, float]:
+                    timeouts: int = 0, crashes: int = 0, penalty_N: np.ndarray | None = None) -> dict[str, float]:
   """Reward, length and throughput statistics of the GLOBAL batch from each process's rows.
 
   A collective (every process calls it): the per-row values of all processes
   are gathered, so every process returns the statistics one process with the
-  whole batch would. tokens_per_s = (prompt + response tokens) / seconds.
+  whole batch would. rewards_N is what the advantages see (verifier reward plus
+  penalty_N, the overlong penalty; None = 0); correct_N the verifier's
+  judgement. tokens_per_s = (prompt + response tokens) / seconds.
   """
-  cols_Nx5 = np.stack([rewards_N, correct_N, h.prompt_len, h.response_len, h.truncated], axis=1).astype(np.float32)
-  rewards, correct, prompt_len, response_len, truncated = transfer.allgather_rows(cols_Nx5).astype(np.float64).T
+  penalty_N = np.zeros(len(rewards_N), np.float32) if penalty_N is None else penalty_N
+  cols_Nx6 = np.stack([rewards_N, correct_N, h.prompt_len, h.response_len, h.truncated, penalty_N],
+                      axis=1).astype(np.float32)
+  rewards, correct, prompt_len, response_len, truncated, penalty = (
+      transfer.allgather_rows(cols_Nx6).astype(np.float64).T)
   timeouts, crashes = transfer.allgather_rows(np.array([[timeouts, crashes]], np.float32)).sum(axis=0)
   return {
       "reward/mean": float(rewards.mean()),
       "reward/std": float(rewards.std()),
       "reward/accuracy": float(correct.mean()),
+      "reward/overlong_penalty": float(penalty.mean()),
       "response/len_mean": float(response_len.mean()),
       "response/len_max": float(response_len.max()),
       "response/truncated": float(truncated.mean()),

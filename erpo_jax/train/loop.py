@@ -32,6 +32,7 @@ from erpo_jax.metrics import MetricsWriter, truncate_jsonl
 from erpo_jax.model.io.loading import load_model, load_tokenizer
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import multihost, transfer
+from erpo_jax.reward.shaping import overlong_penalty
 from erpo_jax.reward.verifier import RewardResult, Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
 from erpo_jax.train import dynamic_sampling, optim
@@ -224,6 +225,11 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                       pad_id=sampler.pad_id, all_full=_all_processes)
         sampling = dynamic_sampling.finalize(_sum_over_processes(counts))
       batch, host, texts, scored = drawn.batch, drawn.host, drawn.texts, drawn.scored
+      # What the advantages see: the verifier's reward (the one dynamic sampling filters on, as DAPO filters
+      # on accuracy) plus DAPO's overlong shaping.
+      penalty_N = overlong_penalty(host.response_len, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer,
+                                   cfg.reward.overlong_penalty)
+      rewards_N = scored.rewards + penalty_N
       if index_log is not None:
         entry = {"step": step, "index": batch.index.tolist()}
         if cfg.rollout.dynamic_sampling:
@@ -232,7 +238,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         index_log.flush()
       t2 = time.perf_counter()
 
-      update = assemble_batch(host, scored.rewards, np.asarray(batch.index), G, ref_cache, mesh,
+      update = assemble_batch(host, rewards_N, np.asarray(batch.index), G, ref_cache, mesh,
                               batch.question_masks if cfg.erpo.query_span == "question" else None)
       prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
@@ -262,7 +268,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
         if want_policy_kl:
           last["kl/policy"] = float(policy_kl)
-        last.update(rollout_metrics(host, scored.rewards, scored.correct, t4 - t0, scored.timeouts, scored.crashes))
+        last.update(rollout_metrics(host, rewards_N, scored.correct, t4 - t0, scored.timeouts, scored.crashes,
+                                    penalty_N))
         last.update(sampling)
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
                      "time/update": t4 - t3, "time/step": t4 - t0})

@@ -12,8 +12,11 @@ weights are constants of the whole update batch.
 explicit shardings and donation of params and optimizer state. Everything the
 update needs happens inside that XLA program: the policy forward (with grad),
 the frozen reference forward or the cached reference prompt log-probs, the
-k3 penalty on the chosen tokens, group-relative advantages multiplied by the
-question weights, the clipped ratio term, gradients, clipping and the update.
+k3 penalty on the chosen tokens, group-relative advantages (ppo.advantage)
+multiplied by the question weights, the clipped ratio term, gradients, clipping
+and the update. With ppo.mask_truncated the loss covers the response tokens of
+rows that ended with EOS only (DAPO's overlong filtering); the advantages and
+the logged KL / weight statistics still see every row.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class UpdateBatch:
   rewards: jax.Array  # [N] float32
   ref_logp: jax.Array  # [N, S] float32 cached reference log-probs at prompt positions (reference=cached)
   static_weight: jax.Array  # [N] float32 w(q) from the static-weight cache (weights=static)
+  truncated: jax.Array  # [N] bool, no EOS within rollout.max_new_tokens
 
 
 def needs_old_pass(ppo: PpoSection, weights: str = "none") -> bool:
@@ -89,8 +93,9 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     capacity = response_capacity if M * K == 1 else None
     whole_batch_logp = lambda params: jax.lax.stop_gradient(
         logp_of(params, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity))
-    # Advantages and weights are constants of the whole update batch.
-    adv_N = advantages.group_advantages(batch.rewards, G, eps=p.advantage_eps, scale=p.advantage_scale)
+    # Advantages and weights are constants of the whole update batch, computed from every row.
+    adv_N = advantages.group_advantages(batch.rewards, G, estimator=p.advantage, eps=p.advantage_eps,
+                                        scale=p.advantage_scale)
     ref_logp = whole_batch_logp(ref_params) if e.reference == "forward" else batch.ref_logp
     if old_pass:
       old_logp = whole_batch_logp(params)
@@ -103,6 +108,12 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     else:
       w_N = jnp.ones((N,), jnp.float32)  # none, or dynamic from the one forward (below)
 
+    def loss_mask(mb):
+      """The response tokens the loss covers: all, or with ppo.mask_truncated those of untruncated rows."""
+      if not p.mask_truncated:
+        return mb["response_mask"]
+      return mb["response_mask"] & ~mb["truncated"][:, None]
+
     def loss_fn(params, mb, denominators):
       logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], mb["response_mask"], True, prompt_bucket,
                               capacity)
@@ -113,12 +124,12 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
         w = weights.dynamic_weights(*weights.prompt_nll(jax.lax.stop_gradient(logp), mb["query_mask"]),
                                     clip=e.dynamic_clip)
       loss, pieces = losses.erpo_loss(
-          logp, old, mb["ref_logp"], mb["query_mask"], mb["response_mask"], mb["adv"], w,
+          logp, old, mb["ref_logp"], mb["query_mask"], loss_mask(mb), mb["adv"], w,
           alpha=e.alpha, kl_on=e.kl_on, estimator=e.estimator, log_ratio_clamp=e.log_ratio_clamp,
           kl_max=e.kl_max, eps_low=p.eps_low, eps_high=p.eps_high, dual_clip=p.dual_clip,
           loss_aggregation=p.loss_aggregation, kl_aggregation=e.kl_aggregation, entropy_NxS=entropy,
           entropy_coef=p.entropy_coef, denominators=denominators)
-      pieces.update(diagnostics.pg_diagnostics(logp, old, mb["adv"], mb["response_mask"], p.eps_low, p.eps_high,
+      pieces.update(diagnostics.pg_diagnostics(logp, old, mb["adv"], loss_mask(mb), p.eps_low, p.eps_high,
                                                p.dual_clip))
       pieces.update(diagnostics.erpo_diagnostics(
           logp, mb["ref_logp"], mb["query_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
@@ -126,13 +137,13 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       return loss, pieces
 
     rows = {"tokens": batch.tokens, "prompt_mask": batch.prompt_mask, "query_mask": batch.query_mask,
-            "response_mask": batch.response_mask,
+            "response_mask": batch.response_mask, "truncated": batch.truncated,
             "ref_logp": ref_logp, "old_logp": old_logp, "adv": adv_N, "w": w_N}
     mbs = jax.tree.map(lambda x: _split_rows(x, M), rows)
 
     def minibatch_grads(params, mb):
       """Loss, pieces and gradient of one minibatch, its K microbatches summed with its own denominators."""
-      denominators = losses.global_denominators(mb["query_mask"], mb["response_mask"],
+      denominators = losses.global_denominators(mb["query_mask"], loss_mask(mb),
                                                 loss_aggregation=p.loss_aggregation,
                                                 kl_aggregation=e.kl_aggregation, kl_on=e.kl_on)
       grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -168,6 +179,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     metrics["optim/finite"] = jnp.min(finite.astype(jnp.float32))
     metrics["optim/lr"] = schedule(count0)
     metrics["reward/zero_std_groups"] = advantages.zero_std_group_fraction(batch.rewards, G)
+    metrics["loss/masked_truncated"] = (jnp.mean(batch.truncated.astype(jnp.float32)) if p.mask_truncated
+                                        else jnp.zeros((), jnp.float32))  # fraction of rows left out of the loss
     if e.reference == "cached":
       # Cached reference log-probs cover prompt tokens only: Policy-KL comes from build_policy_kl.
       del metrics["kl/policy"]
@@ -175,7 +188,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
 
   rows2, rows1 = mesh_lib.batch_sharding(mesh, 2), mesh_lib.batch_sharding(mesh, 1)
   batch_sh = UpdateBatch(tokens=rows2, prompt_mask=rows2, query_mask=rows2, response_mask=rows2, rewards=rows1,
-                         ref_logp=rows2, static_weight=rows1)
+                         ref_logp=rows2, static_weight=rows1, truncated=rows1)
   # Params and optimizer state are donated: the update happens in place in device memory.
   # prompt_bucket and response_capacity are static: one compile per value met.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),

@@ -144,6 +144,12 @@ def test_a_rerun_redoes_a_deleted_run_and_eval_and_resumes_a_run_from_its_checkp
   (folder / "runs" / "erpo_static-s0" / "eval" / "eval_step3.json").unlink()
   shutil.rmtree(folder / "runs" / "erpo_static-s1" / "checkpoints" / "3")  # as if stopped after step 2
   kept = {"grpo-s0": tree_hashes(folder / "runs" / "grpo-s0")}
+  # --report-only reports what is there and runs nothing.
+  partial = experiment(folder, "--report-only")
+  assert partial.returncode == 0, partial.stderr[-3000:]
+  assert started(partial.stdout) == [] and not (folder / "runs" / "grpo-s1").exists()
+  text = (folder / "report.md").read_text()
+  assert "Not yet evaluated: erpo_static-s0, grpo-s1." in text and "| grpo | 1 |" in text, text
   proc = experiment(folder)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert started(proc.stdout) == ["erpo_static-s0 eval", "grpo-s1 train", "grpo-s1 eval", "grpo-s1 analyze",

@@ -204,3 +204,38 @@ def test_each_process_resumes_its_slice_exactly(tokenizer, on_overlong):
     again.set_state(state)
     resumed.append([next(again).index.tolist() for _ in range(13)])
   assert [resumed[0][t] + resumed[1][t] for t in range(13)] == whole[7:]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_two_processes_draws_the_rounds_and_logs_the_metrics_of_one_process(tmp_path):
+  # The random model earns no reward, so no group has spread: every step draws its one extra round on every
+  # process (the collective agrees) and fills the batch with the dropped groups of round 0.
+  extra = ("rollout.dynamic_sampling=true", "rollout.max_extra_rounds=1")
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
+  env.update(_CACHE_ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  one, two = tmp_path / "one", tmp_path / "two"
+  single = subprocess.run([*_train_argv(one), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+  assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
+  with pytest.MonkeyPatch.context() as mp:
+    for k, v in _CACHE_ENV.items():
+      mp.setenv(k, v)
+    mp.setenv("PYTHONPATH", env["PYTHONPATH"])
+    mp.chdir(REPO)
+    multi = multihost.run_local_processes([*_train_argv(two), *extra], 2, cpu_devices=2, timeout_s=RUN_TIMEOUT_S)
+  assert [rc for rc, _ in multi] == [0, 0], "\n----\n".join(out[-4000:] for _, out in multi)
+  a_rows, b_rows = _metrics(one), _metrics(two)
+  assert len(a_rows) == len(b_rows) == STEPS
+  for a, b in zip(a_rows, b_rows):
+    assert a["sampling/extra_rounds"] == b["sampling/extra_rounds"] == 1
+    assert a["sampling/extra_prompts"] == b["sampling/extra_prompts"] == 2  # data.batch_size prompts, globally
+    assert a["sampling/unfilled_groups"] == b["sampling/unfilled_groups"] == 2
+    differ = {k: (a[k], b[k]) for k in a
+              if not k.startswith(("time/", "perf/")) and not abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k]))}
+    assert not differ, f"step {a['step']}: {differ}"
+  read = lambda d, p: [json.loads(l) for l in (d / f"data_indices.process{p}.jsonl").read_text().splitlines()]
+  whole, parts = read(one, 0), [read(two, p) for p in range(2)]
+  for t in range(STEPS):  # each process drew its own slice of both rounds; together, the one process's draws
+    assert sorted(parts[0][t]["drawn"] + parts[1][t]["drawn"]) == sorted(whole[t]["drawn"])
+    assert parts[0][t]["index"] + parts[1][t]["index"] == whole[t]["index"]

@@ -1,12 +1,13 @@
 """Config files and overrides: typed values, one-line errors with the key, file and line."""
 
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from erpo_jax.config import Config
-from erpo_jax.config_io import dump_config, load_config
+from erpo_jax.config_io import dump_config, flatten, load_config
 from erpo_jax.errors import ConfigError, PathError
 
 
@@ -19,6 +20,31 @@ def test_shipped_configs_load_and_grpo_baseline_differs_only_in_erpo():
     assert getattr(default, section) == getattr(grpo, section), section
   for name in ("tiny", "qwen25_math_7b_erpo", "qwen25_math_7b_grpo"):
     assert isinstance(load_config(f"configs/{name}.yaml"), Config)
+
+
+def test_every_shipped_config_loads():
+  names = sorted(p.stem for p in pathlib.Path("configs").glob("*.yaml"))
+  assert {"default", "rloo", "rloo_erpo", "dapo", "dapo_erpo"} <= set(names)
+  for name in names:
+    assert isinstance(load_config(f"configs/{name}.yaml"), Config), name
+
+
+def _changed_from_default(name):
+  default = flatten(load_config("configs/default.yaml").to_dict())
+  return {k: v for k, v in flatten(load_config(f"configs/{name}.yaml").to_dict()).items() if default[k] != v}
+
+
+DAPO_FIELDS = {"reward.overlong_buffer": 8, "ppo.eps_high": 0.28, "ppo.loss_aggregation": "token-mean"}
+
+
+@pytest.mark.parametrize("name,changed", [
+    ("rloo", {"ppo.advantage": "rloo", "erpo.weights": "none", "erpo.kl_on": "response", "erpo.reference": "forward"}),
+    ("rloo_erpo", {"ppo.advantage": "rloo"}),
+    ("dapo", {**DAPO_FIELDS, "erpo.kl_on": "none", "erpo.weights": "none"}),
+    ("dapo_erpo", DAPO_FIELDS),
+])
+def test_rloo_and_dapo_configs_change_only_their_own_fields_of_the_default(name, changed):
+  assert _changed_from_default(name) == {**changed, "run.dir": f"runs/{name}"}
 
 
 def test_a_bare_name_finds_the_shipped_config():
@@ -55,6 +81,29 @@ def test_bad_overrides_name_the_key_and_what_was_expected(override, needle):
     load_config("configs/tiny.yaml", [override])
   assert needle in str(e.value)
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["ppo.advantage=rloo", "ppo.advantage_scale=none"],
+     "ppo.advantage_scale: expected 'group' (the default) with ppo.advantage=rloo: advantage_scale applies to "
+     "ppo.advantage=grpo only, got 'none'"),
+    (["ppo.advantage=reinforce", "ppo.advantage_scale=batch"], "with ppo.advantage=reinforce"),
+    (["ppo.advantage=ppo"], "ppo.advantage: expected one of 'grpo', 'rloo', 'reinforce'"),
+    (["rollout.group_size=1", "ppo.advantage=rloo"], "rollout.group_size: expected an integer >= 2"),
+    (["reward.overlong_buffer=8"], "reward.overlong_buffer: expected fewer tokens than rollout.max_new_tokens=8"),
+    (["reward.overlong_buffer=-1"], "reward.overlong_buffer: expected an integer >= 0"),
+    (["reward.overlong_penalty=-0.5"], "reward.overlong_penalty: expected a finite number >= 0"),
+    (["ppo.mask_truncated=maybe"], "ppo.mask_truncated: expected"),
+])
+def test_advantage_and_overlong_settings_are_checked(overrides, needle):
+  with pytest.raises(ConfigError) as e:
+    load_config("configs/tiny.yaml", overrides)
+  assert needle in str(e.value)
+
+
+def test_unscaled_grpo_still_allows_groups_of_one_and_a_buffer_below_the_limit_loads():
+  assert load_config("configs/tiny.yaml", ["rollout.group_size=1", "ppo.advantage_scale=none"]).rollout.group_size == 1
+  assert load_config("configs/tiny.yaml", ["reward.overlong_buffer=7"]).reward.overlong_buffer == 7
 
 
 def test_errors_in_a_file_name_its_line(tmp_path):

@@ -84,3 +84,54 @@ def test_advantages_under_jit_match_eager():
   r = jnp.array([1.0, 0.0, 0.0, 1.0])
   jitted = jax.jit(adv.group_advantages, static_argnames=("group_size", "scale"))
   np.testing.assert_allclose(jitted(r, 2, scale="batch"), adv.group_advantages(r, 2, scale="batch"), rtol=1e-6)
+
+
+# The worked example of docs/SPEC.md section 3: two groups of G = 4 rewards.
+SPEC_REWARDS = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+
+
+def test_rloo_advantages_of_the_spec_example():
+  # g1: 1 - (0+0+0)/3 = 1, 0 - (1+0+0)/3 = -1/3.  g2: 1 - (1+0+1)/3 = 1/3, 0 - (1+1+1)/3 = -1.
+  got = adv.group_advantages(SPEC_REWARDS, 4, estimator="rloo")
+  np.testing.assert_allclose(got, [1, -1 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -1, 1 / 3], rtol=1e-6)
+
+
+def test_reinforce_advantages_of_the_spec_example_equal_grpo_without_scaling():
+  # g1: mean 0.25 -> [0.75, -0.25, -0.25, -0.25].  g2: mean 0.75 -> [0.25, 0.25, -0.75, 0.25].
+  got = adv.group_advantages(SPEC_REWARDS, 4, estimator="reinforce")
+  np.testing.assert_allclose(got, [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25], rtol=1e-6)
+  np.testing.assert_allclose(got, adv.group_advantages(SPEC_REWARDS, 4, scale="none"), rtol=1e-6)
+
+
+def test_grpo_advantages_of_the_spec_example():
+  # g1: std (ddof 1) = sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5 -> [1.5, -0.5, -0.5, -0.5]; g2 the mirror image.
+  got = adv.group_advantages(SPEC_REWARDS, 4, estimator="grpo", eps=0.0)
+  np.testing.assert_allclose(got, [1.5, -0.5, -0.5, -0.5, 0.5, 0.5, -1.5, 0.5], rtol=1e-6)
+
+
+def test_rloo_is_the_scaled_centred_reward_and_sums_to_zero_per_group():
+  r = np.random.default_rng(2).normal(size=24).astype(np.float32)
+  got = np.asarray(adv.group_advantages(r, 6, estimator="rloo")).reshape(4, 6)
+  r_BxG = r.reshape(4, 6)
+  np.testing.assert_allclose(got, 6 / 5 * (r_BxG - r_BxG.mean(axis=1, keepdims=True)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got.sum(axis=1), 0.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce"])
+def test_padding_rows_and_single_row_groups_get_zero(estimator):
+  # Group 0: rows [1, 0, 0] valid, row 3 padding (G_v = 3). Group 1: one valid row -> all 0.
+  r = jnp.array([1.0, 0.0, 0.0, 99.0, 1.0, 5.0, 5.0, 5.0])
+  valid = jnp.array([True, True, True, False, True, False, False, False])
+  got = adv.group_advantages(r, 4, estimator=estimator, valid_N=valid)
+  # rloo: 1 - 0 = 1, 0 - 1/2 = -0.5.  reinforce: mean 1/3 -> 2/3, -1/3.
+  g0 = [1.0, -0.5, -0.5] if estimator == "rloo" else [2 / 3, -1 / 3, -1 / 3]
+  np.testing.assert_allclose(got, [*g0, 0, 0, 0, 0, 0], rtol=1e-6)
+  np.testing.assert_array_equal(adv.group_advantages(jnp.array([1.0, 0.0]), 1, estimator=estimator), 0.0)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce"])
+def test_other_estimators_carry_no_gradient_and_refuse_a_scale(estimator):
+  g = jax.grad(lambda r: (adv.group_advantages(r, 2, estimator=estimator) ** 2).sum())(jnp.array([1.0, 0.0, 0.3, 0.7]))
+  np.testing.assert_array_equal(g, 0.0)
+  with pytest.raises(ValueError, match="grpo estimator only"):
+    adv.group_advantages(jnp.zeros(4), 2, estimator=estimator, scale="none")

@@ -128,8 +128,26 @@ def test_variant_names_of_the_config_and_the_table_agree_and_each_is_one_overrid
   base = load_config("configs/ablation_small.yaml")
   got = {v: (c.erpo.kl_on, c.erpo.weights) for v in grid.VARIANTS for c in [grid.run_config(base, v, 0)]}
   assert got == {"grpo": ("response", "none"), "grpo_star": ("none", "static"), "query_kl": ("prompt", "none"),
-                 "erpo_static": ("prompt", "static"), "erpo_dynamic": ("prompt", "dynamic")}
+                 "erpo_static": ("prompt", "static"), "erpo_dynamic": ("prompt", "dynamic"),
+                 "rloo": ("response", "none"), "rloo_erpo": ("prompt", "static"), "dapo": ("none", "none"),
+                 "dapo_erpo": ("prompt", "static")}
   assert grid.run_config(base, "grpo", 0).erpo.reference == "forward"  # a response KL needs the reference forward
+
+
+@pytest.mark.parametrize("variant", ["rloo", "rloo_erpo", "dapo", "dapo_erpo"])
+def test_rloo_and_dapo_variants_on_the_default_are_their_config_files_and_fit_every_grid(variant):
+  got = grid.run_config(load_config("configs/default.yaml"), variant, 0)
+  # Seed 0 is the default's seed; the run folder and the shared cache are the grid's own.
+  diff = [d for d in grid.config_diff(load_config(f"configs/{variant}.yaml"), got)
+          if not d.startswith(("run.dir:", "erpo.cache_dir:"))]
+  assert diff == []
+  for name, buffer in (("ablation_small", 12), ("ablation_tiny", 2)):  # 48 and 8 new tokens
+    cfg = grid.run_config(load_config(f"configs/{name}.yaml"), variant, 1)
+    assert isinstance(cfg, Config)
+    assert cfg.reward.overlong_buffer == (buffer if variant.startswith("dapo") else 0)
+    assert cfg.ppo.advantage == ("rloo" if variant.startswith("rloo") else "grpo")
+  header = runner._header(load_config("configs/ablation_small.yaml", [f"experiment.variants=[{variant}]"]))
+  assert "reward.overlong_buffer=rollout.max_new_tokens/4" in header or not variant.startswith("dapo")
 
 
 def test_plan_is_seed_major_with_one_folder_per_run_and_the_seed_in_train_and_data(tmp_path):

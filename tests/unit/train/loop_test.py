@@ -1,10 +1,13 @@
 """The training loop end to end on the tiny model: metrics, TensorBoard, weights modes, reference modes."""
 
+import json
+import pathlib
 
 import numpy as np
 import pytest
+import yaml
 
-from erpo_jax.config_io import load_config
+from erpo_jax.config_io import flatten, load_config
 from erpo_jax.metrics import SPEC_SCALARS, read_jsonl, read_tensorboard_scalars
 from erpo_jax.train.loop import train
 
@@ -62,3 +65,43 @@ def test_config_is_saved_with_the_run(tmp_path):
   cfg, _, _ = run(tmp_path, "c", "train.steps=1")
   saved = load_config(tmp_path / "c" / "config.yaml")
   assert saved == cfg
+
+
+def on_the_tiny_model(name, run_dir, *overrides):
+  """configs/<name>.yaml with tiny.yaml's model, data, rollout and run-length sections in place of the default's."""
+  tiny = yaml.safe_load(pathlib.Path("configs/tiny.yaml").read_text())
+  flat = flatten({k: tiny[k] for k in ("model", "data", "rollout", "train", "checkpoint", "log")})
+  return load_config(f"configs/{name}.yaml", [f"{k}={json.dumps(v)}" for k, v in flat.items()]
+                     + [f"run.dir={run_dir}", *overrides])
+
+
+@pytest.mark.parametrize("name", [
+    "dapo_erpo", pytest.param("dapo", marks=pytest.mark.slow), pytest.param("rloo", marks=pytest.mark.slow),
+    pytest.param("rloo_erpo", marks=pytest.mark.slow)])
+def test_rloo_and_dapo_configs_train_and_log_rewards_losses_and_their_metrics(tmp_path, name):
+  dapo = name.startswith("dapo")
+  # The tiny budget is 8 new tokens: DAPO's buffer is its last quarter.
+  cfg = on_the_tiny_model(name, tmp_path / name, "train.steps=2", "checkpoint.every=0", "log.samples_every=0",
+                          *(["reward.overlong_buffer=2"] if dapo else []))
+  assert cfg.ppo.advantage == ("rloo" if name.startswith("rloo") else "grpo")
+  train(cfg)
+  rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+  tb = read_tensorboard_scalars(tmp_path / name / "tb")
+  assert [r["step"] for r in rows] == [1, 2]
+  for key in ("reward/mean", "reward/accuracy", "reward/overlong_penalty", "loss/total", "loss/pg",
+              "loss/masked_truncated", "kl/query"):
+    assert [s for s, _ in tb[key]] == [1, 2], key
+    for (_, v), r in zip(tb[key], rows):
+      assert np.isfinite(r[key]) and v == pytest.approx(r[key], rel=1e-6, abs=1e-7), key
+  for r in rows:
+    assert r["loss/masked_truncated"] == 0.0  # DAPO's filtering is off: the soft penalty shapes instead
+    # The reward the advantages see is the verifier's (1 correct / 0 wrong) plus the overlong penalty.
+    assert r["reward/mean"] == pytest.approx(r["reward/accuracy"] + r["reward/overlong_penalty"], abs=1e-6)
+    if dapo:
+      # Lengths 7 and 8 of 8 tokens cost 0.5 and 1.0: the mean penalty is at most 0, at least -1.
+      assert -1.0 <= r["reward/overlong_penalty"] <= 0.0
+      assert r["reward/overlong_penalty"] < 0.0 or r["response/len_max"] <= 6
+    else:
+      assert r["reward/overlong_penalty"] == 0.0
+    if name == "dapo":
+      assert r["loss/total"] == pytest.approx(r["loss/pg"], abs=1e-7)  # no KL term

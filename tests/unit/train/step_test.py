@@ -46,7 +46,8 @@ def make_batch(seed=0, n=B * G, s=S):
       response_mask=jnp.asarray(response_mask),
       rewards=jnp.asarray(rng.integers(0, 2, n).astype(np.float32)),
       ref_logp=jnp.asarray(np.where(prompt_mask, -rng.random((n, s)) * 5, 0).astype(np.float32)),
-      static_weight=jnp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32)))
+      static_weight=jnp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32)),
+      truncated=jnp.asarray(np.arange(n) % 3 == 1))  # flags only: ppo.mask_truncated decides what they do
 
 
 def build(cfg, devices=None, model_seed=0):
@@ -73,7 +74,7 @@ def expected_loss(cfg, graphdef, params, ref_params, batch):
   model = nnx.merge(graphdef, params)
   logp = logprobs.log_probs(model, batch.tokens)
   ref = logprobs.log_probs(nnx.merge(graphdef, ref_params), batch.tokens)
-  adv = advantages.group_advantages(batch.rewards, G)
+  adv = advantages.group_advantages(batch.rewards, G, estimator=cfg.ppo.advantage)
   w = {"static": batch.static_weight, "none": jnp.ones(B * G)}.get(cfg.erpo.weights)
   if cfg.erpo.weights == "dynamic":
     w = weights.dynamic_weights(*weights.prompt_nll(logp, batch.prompt_mask))
@@ -82,10 +83,12 @@ def expected_loss(cfg, graphdef, params, ref_params, batch):
   return float(loss)
 
 
-@pytest.mark.parametrize("weights,kl_on", [("static", "prompt"), ("dynamic", "prompt"), ("none", "response"),
-                                           ("static", "all")])
-def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on):
-  cfg = tiny_cfg(f"erpo.weights={weights}", f"erpo.kl_on={kl_on}", "erpo.reference=forward", "erpo.alpha=0.5")
+@pytest.mark.parametrize("weights,kl_on,advantage", [
+    ("static", "prompt", "grpo"), ("dynamic", "prompt", "grpo"), ("none", "response", "grpo"), ("static", "all", "grpo"),
+    ("dynamic", "prompt", "rloo")])
+def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on, advantage):
+  cfg = tiny_cfg(f"erpo.weights={weights}", f"erpo.kl_on={kl_on}", "erpo.reference=forward", "erpo.alpha=0.5",
+                 f"ppo.advantage={advantage}")
   step, graphdef, params, ref_params, opt_state = build(cfg)
   batch = make_batch()
   want = expected_loss(cfg, graphdef, params, ref_params, batch)
@@ -94,8 +97,9 @@ def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on):
   assert float(metrics["optim/finite"]) == 1.0
 
 
-def test_step_compiles_once_for_a_fixed_bucket():
-  cfg = tiny_cfg()
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce"])
+def test_step_compiles_once_for_a_fixed_bucket(advantage):
+  cfg = tiny_cfg(f"ppo.advantage={advantage}")
   step, graphdef, params, ref_params, opt_state = build(cfg)
   for seed in range(3):
     params, opt_state, metrics = step(params, opt_state, ref_params, make_batch(seed))
@@ -176,6 +180,37 @@ def test_minibatches_get_their_dynamic_weights_from_the_whole_batch():
   assert np.isfinite(float(m2["loss/total"]))
 
 
+def test_a_truncated_row_under_mask_truncated_gives_the_step_of_its_response_mask_cleared():
+  batch = make_batch()
+  flagged = batch.replace(truncated=jnp.asarray(np.arange(B * G) == 2))
+  cleared = batch.replace(truncated=jnp.zeros(B * G, bool), response_mask=batch.response_mask.at[2].set(False))
+  out = {}
+  for name, b in (("flagged", flagged), ("cleared", cleared)):
+    # kl_on=all: the response KL and its token count leave out row 2 too.
+    cfg = tiny_cfg("ppo.mask_truncated=true", "erpo.kl_on=all", "erpo.alpha=0.5", "erpo.weights=static",
+                   "ppo.loss_aggregation=token-mean", "ppo.eps_high=0.28", "optim.eps=1e-3")
+    step, _, params, ref, opt = build(cfg)
+    new_params, _, m = step(params, opt, ref, b)
+    out[name] = ({k: float(v) for k, v in m.items()}, [np.asarray(x) for x in jax.tree.leaves(new_params)])
+  assert out["flagged"][0]["loss/masked_truncated"] == pytest.approx(1 / 8)
+  assert out["cleared"][0]["loss/masked_truncated"] == 0.0
+  for key in ("loss/total", "loss/pg", "loss/kl", "entropy/mean", "clip/low", "clip/high", "ratio/mean",
+              "optim/grad_norm"):
+    assert out["flagged"][0][key] == pytest.approx(out["cleared"][0][key], rel=1e-6, abs=1e-7), key
+  assert abs(out["flagged"][0]["loss/kl"]) > 1e-4  # the response KL is in the loss and row 2's is not
+  for a, b in zip(out["flagged"][1], out["cleared"][1]):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+# name -> (overrides, mesh shapes (data, fsdp, tensor)); each setting's sharded steps are compared with its (1, 1, 1).
+SHARDED_SETTINGS = {
+    "grpo": ([], [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]),
+    "rloo": (["ppo.advantage=rloo", "erpo.weights=dynamic"], [(1, 1, 1), (2, 2, 2)]),
+    # DAPO-like: rows 1, 4, 7 of make_batch are truncated and left out of the loss.
+    "dapo": (["ppo.mask_truncated=true", "ppo.eps_high=0.28", "ppo.loss_aggregation=token-mean",
+              "erpo.kl_on=all"], [(1, 1, 1), (2, 2, 2)]),
+}
+
 SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
@@ -183,14 +218,15 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import step_test as t
     out = {{}}
     batch = t.make_batch()
-    for shape in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]:
-      d, f, tp = shape
-      cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}")
-      devices = jax.devices()[:d * f * tp]
-      step, _, params, ref, opt = t.build(cfg, devices=devices)
-      params, opt, m = step(params, opt, ref, batch)
-      out[str(shape)] = {{"metrics": {{k: float(v) for k, v in m.items()}},
-                         "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
+    for name, (overrides, shapes) in t.SHARDED_SETTINGS.items():
+      for shape in shapes:
+        d, f, tp = shape
+        cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}", *overrides)
+        devices = jax.devices()[:d * f * tp]
+        step, _, params, ref, opt = t.build(cfg, devices=devices)
+        params, opt, m = step(params, opt, ref, batch)
+        out[f"{{name}} {{shape}}"] = {{"metrics": {{k: float(v) for k, v in m.items()}},
+                                    "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
     print(json.dumps(out))
 """)
 
@@ -198,15 +234,18 @@ SHARDED_SCRIPT = textwrap.dedent("""
 def test_sharded_step_equals_one_device_on_8_cpu_devices():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   code = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__))
-  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
-  base = out["(1, 1, 1)"]
-  for shape in ["(8, 1, 1)", "(2, 4, 1)", "(2, 2, 2)"]:
-    for k, v in base["metrics"].items():
-      assert out[shape]["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (shape, k)
-    for a, b in zip(base["params"], out[shape]["params"]):
-      np.testing.assert_allclose(a, b, atol=1e-5)
+  assert out["dapo (1, 1, 1)"]["metrics"]["loss/masked_truncated"] == pytest.approx(3 / 8)
+  for name, (_, shapes) in SHARDED_SETTINGS.items():
+    base = out[f"{name} (1, 1, 1)"]
+    for shape in shapes[1:]:
+      got = out[f"{name} {shape}"]
+      for k, v in base["metrics"].items():
+        assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (name, shape, k)
+      for a, b in zip(base["params"], got["params"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_shared_prefix_step_equals_the_plain_layout():
