@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import re
 import sys
 import threading
 
@@ -13,11 +14,16 @@ from erpo_jax.errors import NonFiniteError, UserError
 DEFAULT_CONFIG = "configs/default.yaml"
 
 
+BENCH_WHAT = ("step", "rollout", "rl", "all")
+# A config override on the command line: a dotted key, '=', a value (config_io.parse_override reads it).
+OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--config", "-c", default=DEFAULT_CONFIG,
                  help="YAML config file, or a name in configs/ (default: %(default)s)")
   p.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                 help="config overrides, e.g. erpo.weights=dynamic train.steps=10")
+                 help="config overrides, e.g. erpo.weights=dynamic train.steps=10; before or after the options")
   p.add_argument("--coordinator", default=None,
                  help="multi-host: coordinator address host:port (also from SLURM or TPU metadata)")
   p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -117,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "data.max_prompt_tokens"))
 
   p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
-  p.add_argument("what", nargs="?", default="all", choices=["step", "rollout", "rl", "all"])
+  # Checked in parse_args, not by argparse: `bench --config C key=value` puts the override here.
+  p.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(BENCH_WHAT) + "}",
+                 help="what to measure (default: all)")
   _add_common(p)
   p.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
@@ -132,6 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num", type=int, default=None, help="training questions (default: experiment.analyze_num)")
   p.add_argument("--out", default=None, help="output folder (default: <run.dir>/analyze/<base|step<k>>)")
   return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line as a Namespace; `key=value` overrides may stand anywhere after the subcommand.
+
+  argparse takes the positional overrides only from the first run of
+  positionals, so those after an option come back unparsed: they join
+  args.overrides in command-line order. A leftover flag is argparse's usual
+  error; any other word is an override without '=', reported by load_config
+  like one in the first run (one line naming it, exit 2, before JAX starts).
+  """
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  flags = [a for a in rest if a.startswith("-")]
+  if flags:
+    parser.error(f"unrecognized arguments: {' '.join(flags)}")
+  if args.command == "bench" and args.what not in BENCH_WHAT:
+    if not OVERRIDE.match(args.what):
+      choices = ", ".join(repr(w) for w in BENCH_WHAT)
+      parser.error(f"argument what: invalid choice: {args.what!r} (choose from {choices})")
+    args.overrides, args.what = [args.what, *args.overrides], "all"
+  args.overrides = [*args.overrides, *rest]
+  return args
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -216,7 +247,7 @@ def _report_checkpoint_write_errors_once() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  args = parse_args(argv)
   _report_checkpoint_write_errors_once()
   try:
     return _dispatch(args)
