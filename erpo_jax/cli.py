@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
   _add_common(p)
   p.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
+  p.add_argument("--against", default=None, metavar="FILE",
+                 help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE), "
+                      "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
+  p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
   _add_common(p)
@@ -161,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       choices = ", ".join(repr(w) for w in BENCH_WHAT)
       parser.error(f"argument what: invalid choice: {args.what!r} (choose from {choices})")
     args.overrides, args.what = [args.what, *args.overrides], "all"
+  if args.command == "bench" and args.against is not None and args.what not in ("rl", "all"):
+    parser.error(f"argument --against: compares whole RL steps: use it with bench rl or bench all, not {args.what}")
   args.overrides = [*args.overrides, *rest]
   return args
 
@@ -172,6 +178,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
   cfg = load_config(args.config, args.overrides)
+  against = None
+  if args.command == "bench" and args.against is not None:
+    from erpo_jax.bench.peer import load_peer
+    against = load_peer(args.against)  # a bad peer file fails now, not after the measurements
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)
@@ -199,7 +209,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     run_export(cfg, checkpoint=args.checkpoint, out=args.out)
   elif args.command == "bench":
     from erpo_jax.bench.run import run_bench
-    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
+    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup, against=against, out=args.out)
   elif args.command == "experiment":
     from erpo_jax.experiment.runner import run_experiment
     run_experiment(cfg)

@@ -18,9 +18,6 @@ from erpo_jax.bench import probe as bench_probe
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
 from erpo_jax.train.loop import train
 
-# Seconds per step of the issue's reference workload (2-core CPU, median of 6 steps after 2 warm-up steps).
-FRAMEWORK_STEP_S = {"trl": 45.3, "tunix": 65.0}
-FRAMEWORK_PEAK_RSS_GB = {"trl": 12.6, "tunix": 16.9}
 PHASES = ("time/rollout", "time/reward", "time/reference", "time/update", "time/step")
 
 
@@ -50,7 +47,7 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
 
 
 def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
-  """Median per-phase step times of `iters` real training steps after `warmup`, peak RSS, framework ratios."""
+  """Median per-phase step times of `iters` real training steps after `warmup`, and peak RSS."""
 
   load0 = bench_probe.load_average()
   run_dir = tempfile.mkdtemp(prefix="erpo-bench-rl-")
@@ -65,7 +62,4 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
          "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
          **summarize_steps(rows, warmup), **bench_probe.peak_memory(), **bench_probe.device_info(),
          "load_avg_start": load0, "load_avg_end": bench_probe.load_average()}
-  step_s = out["step_s"]
-  for name, s in FRAMEWORK_STEP_S.items():
-    out[f"step_over_{name}"] = step_s / s if step_s else None
   return out

@@ -3,6 +3,7 @@
     erpo-jax bench step --config configs/bench_reference.yaml
     erpo-jax bench rollout --config configs/bench_reference.yaml
     erpo-jax bench rl --config configs/bench_reference.yaml --iters 6 --warmup 2
+    erpo-jax bench rl --config configs/bench_reference.yaml --against trl.json   # ratios over a peer
 
 Every run first measures the device itself (`device` line: float32 and
 bfloat16 matmul FLOP/s, read bandwidth), then each measurement in a fresh
@@ -22,7 +23,8 @@ step: the update on the same N x S batch in four settings:
   (d) no KL (kl_on=none, weights=none, reference=cached: no reference forward)
 each with model.shared_prefix off and on when the step reads that field.
 rollout: sampler prefill / decode tokens/s, and the uncached greedy loop.
-rl: whole iterations of the training loop (bench_rl).
+rl: whole iterations of the training loop (bench_rl); with a peer's summary
+(`against`, bench/peer.py) also erpo-jax's figures over the peer's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import sys
 import tempfile
 from typing import Any
 
-from erpo_jax.bench.rl import FRAMEWORK_STEP_S
+from erpo_jax.bench import machine
+from erpo_jax.bench import peer as bench_peer
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 
@@ -168,7 +171,7 @@ def with_decode_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-  """Ratios across the measurements: step times over (c), rl step over the frameworks' figures."""
+  """Ratios across the measurements: step times over (c), rl figures over the peer's (an `against` record)."""
   out: dict[str, Any] = {"name": "summary"}
   steps = {(r["variant"], r.get("shared_prefix")): r for r in records
            if r["name"].startswith("step/") and "time_s" in r}
@@ -190,9 +193,9 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     if r["name"] == "rl" and r.get("step_s"):
       out["rl_step_s"] = r["step_s"]
       out["rl_peak_rss_bytes"] = max(r["peak_rss_bytes"], r["peak_children_rss_bytes"])
-      for name, s in FRAMEWORK_STEP_S.items():
-        out[f"rl_step_over_{name}"] = r["step_s"] / s
-        out[f"{name}_step_s"] = s
+    if r["name"] == "against":
+      out["peer"] = r["peer"]
+      out.update({f"rl_{k}_over_peer": v for k, v in r["ratios"].items()})
   out["errors"] = sum(("error" in r) + ("memory_error" in r) for r in records)
   out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
   return out
@@ -209,25 +212,37 @@ def _clean(x):
   return x
 
 
-def emit(rec: dict[str, Any]) -> None:
-  print(json.dumps(_clean(rec)), flush=True)
+def emit(rec: dict[str, Any], out: str | None = None) -> None:
+  """Prints rec as one JSON line; also appends it to the file `out` when given."""
+  line = json.dumps(_clean(rec))
+  print(line, flush=True)
+  if out is not None:
+    with open(out, "a", encoding="utf-8") as f:
+      f.write(line + "\n")
 
 
 # ----------------------------------------------------------------------------- entry point
 
 
-def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None,
-              warmup: int | None = None) -> list[dict[str, Any]]:
-  """Prints one JSON line per measurement and a summary line; returns the same records, summary last."""
+def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmup: int | None = None,
+              against: dict[str, Any] | None = None, out: str | None = None) -> list[dict[str, Any]]:
+  """Prints one JSON line per measurement and a summary line; returns the same records, summary last.
+
+  against: a peer's figures (bench_peer.load_peer), compared with the rl
+  record in an `against` record and on stderr. out: a file that receives the
+  same JSON lines (it is started afresh).
+  """
   if what not in WHAT:
     raise ValueError(f"bench: what must be one of {WHAT}, got {what!r}")
   kinds = ("step", "rollout", "rl") if what == "all" else (what,)
   records: list[dict[str, Any]] = []
+  if out is not None:
+    open(out, "w", encoding="utf-8").close()
 
   def record(name: str, rec: dict[str, Any], **fields) -> dict[str, Any]:
     rec = {"name": name, **fields, **rec}
     records.append(rec)
-    emit(rec)
+    emit(rec, out)
     return rec
 
   with tempfile.TemporaryDirectory(prefix="erpo-bench-") as tmp:
@@ -246,8 +261,11 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None,
         record("rollout/sampler", rec)
         record("rollout/greedy_uncached", run_worker("greedy", cfg, iters=n, warmup=w, tmp=tmp))
       else:
-        rec = run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp)
-        record("rl", rec)
+        rec = record("rl", run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp))
+        if against is not None and "error" not in rec:
+          vs = record("against", bench_peer.compare(rec, against, rec.get("cpu_model") or machine.cpu_model()))
+          for line in bench_peer.report(vs):
+            print(line, file=sys.stderr, flush=True)
   records.append(summary(records))
-  emit(records[-1])
+  emit(records[-1], out)
   return records
