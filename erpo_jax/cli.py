@@ -189,6 +189,8 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command in ("train", "eval", "weights", "sample", "bench") and cfg.data.max_prompt_tokens == 0:
     from erpo_jax.data.check import resolve_max_prompt_tokens
     cfg = resolve_max_prompt_tokens(cfg)
+  from erpo_jax import compile_cache
+  compile_cache.setup()  # before anything compiles; the bench's worker processes set it up again
   multihost.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
   if args.command == "train":

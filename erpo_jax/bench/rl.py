@@ -3,7 +3,9 @@
 Runs `trainer.train` in this process on a throw-away run folder and reads the
 per-step times the loop itself logs (time/rollout, time/reward, time/update,
 time/step in metrics.jsonl); the first `warmup` steps (compilation) are left out.
-The loop checkpoints only after its last step, outside the timed steps.
+The loop checkpoints only after its last step, outside the timed steps. The time to
+the first step (time/to_first_step: set-up and compilation) is reported apart, beside
+the record's `compile_cache` counts: run the bench twice for a cold and a warm cache.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
     out[k.replace("time/", "") + "_s"] = bench_probe.median(vals) if vals else None
   out["step_times_s"] = [r["time/step"] for r in timed]
   out["warmup_step_times_s"] = [r["time/step"] for r in rows if r["step"] <= warmup]
+  # From train()'s start to the end of step 1: set-up and compilation (cold or warm compilation cache).
+  out["to_first_step_s"] = rows[0].get("time/to_first_step") if rows else None
   tps = [r["perf/tokens_per_s"] for r in timed if "perf/tokens_per_s" in r]
   out["tokens_per_s"] = bench_probe.median(tps) if tps else None
   rl = [r["response/len_mean"] for r in timed if "response/len_mean" in r]

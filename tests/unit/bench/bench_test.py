@@ -88,11 +88,13 @@ def test_summary_divides_step_times_by_the_grpo_step():
 
 
 def test_rl_summary_leaves_out_the_warmup_steps():
-  rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0}, {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
+  rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0, "time/to_first_step": 42.0},
+          {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
           {"step": 3, "time/step": 5.0, "time/rollout": 2.0}, {"step": 4, "time/step": 4.0, "time/rollout": 3.0}]
   out = bench_rl.summarize_steps(rows, warmup=1)
   assert out["step_s"] == 4.0 and out["rollout_s"] == 2.0 and out["timed_steps"] == [2, 3, 4]
   assert out["warmup_step_times_s"] == [30.0] and out["update_s"] is None
+  assert out["to_first_step_s"] == 42.0  # set-up and compilation, apart from the medians
 
 
 def test_sampler_without_stop_tokens_runs_every_row_to_full_length():
