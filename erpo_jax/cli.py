@@ -62,6 +62,23 @@ def _positive_int(text: str) -> int:
   return v
 
 
+def _positive_float(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not 0 < v < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+  return v
+
+
+def _step_variants(text: str) -> str:
+  letters = text.replace(",", "")
+  if not letters or any(c not in "abcd" for c in letters):
+    raise argparse.ArgumentTypeError(f"expected letters of abcd (e.g. c or a,c), got {text!r}")
+  return "".join(sorted(set(letters)))
+
+
 def _temperature(text: str) -> float:
   try:
     v = float(text)
@@ -133,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE), "
                       "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
   p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
+  p.add_argument("--variants", type=_step_variants, default="abcd",
+                 help="step: which update variants to time, letters of abcd (default: all four)")
+  p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
+                 help="step: time each variant with model.shared_prefix on, off or both (default: both)")
+  p.add_argument("--peak-flops", type=_positive_float, default=None, metavar="FLOP/S",
+                 help="the device's data-sheet dense bfloat16 FLOP/s, for the MFU (known: NVIDIA H100/H200/A100, "
+                      "TPU v4/v5/v6e)")
+  p.add_argument("--peak-bandwidth", type=_positive_float, default=None, metavar="BYTES/S",
+                 help="the device's data-sheet memory bandwidth, for the decode floor (known: as --peak-flops)")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
   _add_common(p)
@@ -211,7 +237,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     run_export(cfg, checkpoint=args.checkpoint, out=args.out)
   elif args.command == "bench":
     from erpo_jax.bench.run import run_bench
-    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup, against=against, out=args.out)
+    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup, against=against, out=args.out,
+              variants=args.variants, shared_prefix=args.shared_prefix, peak_flops=args.peak_flops,
+              peak_bandwidth=args.peak_bandwidth)
   elif args.command == "experiment":
     from erpo_jax.experiment.runner import run_experiment
     run_experiment(cfg)
