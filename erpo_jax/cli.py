@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import re
 import sys
 import threading
 
@@ -13,11 +14,16 @@ from erpo_jax.errors import NonFiniteError, UserError
 DEFAULT_CONFIG = "configs/default.yaml"
 
 
+BENCH_WHAT = ("step", "rollout", "rl", "all")
+# A config override on the command line: a dotted key, '=', a value (config_io.parse_override reads it).
+OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--config", "-c", default=DEFAULT_CONFIG,
                  help="YAML config file, or a name in configs/ (default: %(default)s)")
   p.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                 help="config overrides, e.g. erpo.weights=dynamic train.steps=10")
+                 help="config overrides, e.g. erpo.weights=dynamic train.steps=10; before or after the options")
   p.add_argument("--coordinator", default=None,
                  help="multi-host: coordinator address host:port (also from SLURM or TPU metadata)")
   p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
@@ -54,6 +60,23 @@ def _positive_int(text: str) -> int:
   if v < 1:
     raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
   return v
+
+
+def _positive_float(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not 0 < v < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+  return v
+
+
+def _step_variants(text: str) -> str:
+  letters = text.replace(",", "")
+  if not letters or any(c not in "abcd" for c in letters):
+    raise argparse.ArgumentTypeError(f"expected letters of abcd (e.g. c or a,c), got {text!r}")
+  return "".join(sorted(set(letters)))
 
 
 def _temperature(text: str) -> float:
@@ -117,10 +140,25 @@ def build_parser() -> argparse.ArgumentParser:
                                                "data.max_prompt_tokens"))
 
   p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
-  p.add_argument("what", nargs="?", default="all", choices=["step", "rollout", "rl", "all"])
+  # Checked in parse_args, not by argparse: `bench --config C key=value` puts the override here.
+  p.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(BENCH_WHAT) + "}",
+                 help="what to measure (default: all)")
   _add_common(p)
   p.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
+  p.add_argument("--against", default=None, metavar="FILE",
+                 help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE), "
+                      "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
+  p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
+  p.add_argument("--variants", type=_step_variants, default="abcd",
+                 help="step: which update variants to time, letters of abcd (default: all four)")
+  p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
+                 help="step: time each variant with model.shared_prefix on, off or both (default: both)")
+  p.add_argument("--peak-flops", type=_positive_float, default=None, metavar="FLOP/S",
+                 help="the device's data-sheet dense bfloat16 FLOP/s, for the MFU (known: NVIDIA H100/H200/A100, "
+                      "TPU v4/v5/v6e)")
+  p.add_argument("--peak-bandwidth", type=_positive_float, default=None, metavar="BYTES/S",
+                 help="the device's data-sheet memory bandwidth, for the decode floor (known: as --peak-flops)")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
   _add_common(p)
@@ -136,6 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """The command line as a Namespace; `key=value` overrides may stand anywhere after the subcommand.
+
+  argparse takes the positional overrides only from the first run of
+  positionals, so those after an option come back unparsed: they join
+  args.overrides in command-line order. A leftover flag is argparse's usual
+  error; any other word is an override without '=', reported by load_config
+  like one in the first run (one line naming it, exit 2, before JAX starts).
+  """
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  flags = [a for a in rest if a.startswith("-")]
+  if flags:
+    parser.error(f"unrecognized arguments: {' '.join(flags)}")
+  if args.command == "bench" and args.what not in BENCH_WHAT:
+    if not OVERRIDE.match(args.what):
+      choices = ", ".join(repr(w) for w in BENCH_WHAT)
+      parser.error(f"argument what: invalid choice: {args.what!r} (choose from {choices})")
+    args.overrides, args.what = [args.what, *args.overrides], "all"
+  if args.command == "bench" and args.against is not None and args.what not in ("rl", "all"):
+    parser.error(f"argument --against: compares whole RL steps: use it with bench rl or bench all, not {args.what}")
+  args.overrides = [*args.overrides, *rest]
+  return args
+
+
 def _dispatch(args: argparse.Namespace) -> int:
   # Each command imports what it needs here: `erpo-jax --help` and config errors stay fast, without JAX.
   from erpo_jax.parallel import multihost
@@ -143,6 +206,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
   # Config mistakes fail first: before JAX is imported and before the processes of a job meet.
   cfg = load_config(args.config, args.overrides)
+  against = None
+  if args.command == "bench" and args.against is not None:
+    from erpo_jax.bench.peer import load_peer
+    against = load_peer(args.against)  # a bad peer file fails now, not after the measurements
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)
@@ -150,6 +217,8 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command in ("train", "eval", "weights", "sample", "bench") and cfg.data.max_prompt_tokens == 0:
     from erpo_jax.data.check import resolve_max_prompt_tokens
     cfg = resolve_max_prompt_tokens(cfg)
+  from erpo_jax import compile_cache
+  compile_cache.setup()  # before anything compiles; the bench's worker processes set it up again
   multihost.maybe_initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id)
   if args.command == "train":
@@ -170,7 +239,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     run_export(cfg, checkpoint=args.checkpoint, out=args.out)
   elif args.command == "bench":
     from erpo_jax.bench.run import run_bench
-    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup)
+    run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup, against=against, out=args.out,
+              variants=args.variants, shared_prefix=args.shared_prefix, peak_flops=args.peak_flops,
+              peak_bandwidth=args.peak_bandwidth)
   elif args.command == "experiment":
     from erpo_jax.experiment.runner import run_experiment, write_partial_report
     if args.report_only:
@@ -221,7 +292,7 @@ def _report_checkpoint_write_errors_once() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  args = parse_args(argv)
   _report_checkpoint_write_errors_once()
   try:
     return _dispatch(args)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from erpo_jax.bench import machine
 from erpo_jax.data.pipeline import make_train_iterator
 from erpo_jax.model.io.loading import load_model
 
@@ -58,9 +59,10 @@ def peak_memory() -> dict[str, int | None]:
 
 
 def device_info() -> dict[str, Any]:
+  """Where a record was measured: the device, the host's CPU model and its CPU count."""
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "host_cpus": os.cpu_count()}
+          "cpu_model": machine.cpu_model(), "host_cpus": os.cpu_count()}
 
 
 def matmul_peak(n: int, dtype, *, iters: int = 3, warmup: int = 1) -> dict[str, float]:

@@ -3,6 +3,7 @@
     erpo-jax bench step --config configs/bench_reference.yaml
     erpo-jax bench rollout --config configs/bench_reference.yaml
     erpo-jax bench rl --config configs/bench_reference.yaml --iters 6 --warmup 2
+    erpo-jax bench rl --config configs/bench_reference.yaml --against trl.json   # ratios over a peer
 
 Every run first measures the device itself (`device` line: float32 and
 bfloat16 matmul FLOP/s, read bandwidth), then each measurement in a fresh
@@ -20,9 +21,11 @@ step: the update on the same N x S batch in four settings:
   (b) ERPO, cached reference prompt log-probs (kl_on=prompt, reference=cached, weights=static)
   (c) GRPO, k3 policy-KL on responses (kl_on=response, reference=forward, weights=none)
   (d) no KL (kl_on=none, weights=none, reference=cached: no reference forward)
-each with model.shared_prefix off and on when the step reads that field.
+each with model.shared_prefix off and on when the step reads that field
+(--variants and --shared-prefix pick some of them).
 rollout: sampler prefill / decode tokens/s, and the uncached greedy loop.
-rl: whole iterations of the training loop (bench_rl).
+rl: whole iterations of the training loop (bench_rl); with a peer's summary
+(`against`, bench/peer.py) also erpo-jax's figures over the peer's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import sys
 import tempfile
 from typing import Any
 
-from erpo_jax.bench.rl import FRAMEWORK_STEP_S
+from erpo_jax.bench import machine
+from erpo_jax.bench import peer as bench_peer
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 
@@ -91,9 +95,13 @@ def run_worker(kind: str, cfg: Config | list[Config] | None, *, iters: int, warm
     return json.load(f)
 
 
-def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict[str, Any]):
+SHARED_PREFIX = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict[str, Any],
+                 variants: str = "abcd", shared_prefix: str = "both"):
   """Yields the step lines: times from one interleaved process, peak memory from one process per variant."""
-  keys = [(v, sp) for sp in (False, True) for v in STEP_VARIANTS]
+  keys = [(v, sp) for sp in SHARED_PREFIX[shared_prefix] for v in STEP_VARIANTS if v in variants]
   cfgs = [step_variant(cfg, v, sp) for v, sp in keys]
   timing = run_worker("steps", cfgs, iters=iters, warmup=warmup, tmp=tmp)
   for i, ((v, sp), c) in enumerate(zip(keys, cfgs)):
@@ -103,8 +111,9 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
       rec["error"] = timing["error"]
     else:
       rec.update(timing["variants"][i])
-      rec.update({k: timing[k] for k in ("iters", "warmup", "platform", "device_kind", "host_cpus",
-                                         "local_peak_flops_per_s", "load_avg_start", "load_avg_end")})
+      rec.update({k: timing[k] for k in ("iters", "warmup", "platform", "device_kind", "cpu_model", "host_cpus",
+                                         "local_peak_flops_per_s", "load_avg_start", "load_avg_end",
+                                         "compile_cache")})
       rec["timing_process_peak_rss_bytes"] = timing["peak_rss_bytes"]
       with_utilisation(rec, device, "flops_per_s", "utilisation")
     mem = run_worker("step_memory", c, iters=1, warmup=0, tmp=tmp)
@@ -135,14 +144,35 @@ def peak_for(rec: dict[str, Any], device: dict[str, Any]) -> tuple[float | None,
   return seen[source], source
 
 
+def with_spec_peaks(device: dict[str, Any], *, peak_flops: float | None = None,
+                    peak_bandwidth: float | None = None) -> dict[str, Any]:
+  """The device line with the data-sheet peaks of its device_kind (bench/machine.py), or those given.
+
+  spec_flops_per_s: dense bfloat16 matmul FLOP/s; spec_bytes_per_s: memory
+  (HBM) bandwidth. None where neither the table nor the options know them (CPUs).
+  """
+  spec = machine.spec_peaks(device.get("device_kind") or "")
+  device["spec_flops_per_s"] = peak_flops or spec.get("bfloat16_flops_per_s")
+  device["spec_bytes_per_s"] = peak_bandwidth or spec.get("hbm_bytes_per_s")
+  return device
+
+
 def with_utilisation(rec: dict[str, Any], device: dict[str, Any], rate_key: str, out_key: str) -> None:
-  """rec[out_key] = rec[rate_key] / matmul peak of the compute dtype."""
+  """rec[out_key] = rec[rate_key] / matmul peak of the compute dtype (measured); and the MFU.
+
+  The MFU (out_key with "utilisation" -> "mfu") is over the device's
+  data-sheet dense bfloat16 peak, whatever the compute dtype.
+  """
   peak, source = peak_for(rec, device)
   rate = rec.get(rate_key)
   if peak and rate is not None:
     rec["peak_flops_per_s"] = peak
     rec["peak_source"] = source
     rec[out_key] = rate / peak
+  spec = device.get("spec_flops_per_s")
+  if spec and rate is not None:
+    rec["spec_flops_per_s"] = spec
+    rec[out_key.replace("utilisation", "mfu")] = rate / spec
 
 
 def with_decode_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
@@ -165,10 +195,16 @@ def with_decode_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
     floor_c = rec["decode_step_flops"] / peak
     rec["decode_compute_floor_s"] = floor_c
     rec["decode_roofline_fraction"] = max(floor_bw, floor_c) / step_s
+  spec_bw = device.get("spec_bytes_per_s")
+  if spec_bw:  # the same bytes over the data-sheet bandwidth (HBM)
+    floor_spec = (rec["param_bytes"] + rec["kv_bytes_per_step"]) / spec_bw
+    rec["spec_bytes_per_s"] = spec_bw
+    rec["decode_spec_bandwidth_floor_s"] = floor_spec
+    rec["decode_spec_bandwidth_fraction"] = floor_spec / step_s
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-  """Ratios across the measurements: step times over (c), rl step over the frameworks' figures."""
+  """Ratios across the measurements: step times over (c), rl figures over the peer's (an `against` record)."""
   out: dict[str, Any] = {"name": "summary"}
   steps = {(r["variant"], r.get("shared_prefix")): r for r in records
            if r["name"].startswith("step/") and "time_s" in r}
@@ -181,18 +217,23 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
   for v in STEP_VARIANTS:
     if (v, False) in steps and (v, True) in steps:
       out[f"step_{v}_shared_prefix_speedup"] = steps[(v, False)]["time_s"] / steps[(v, True)]["time_s"]
+  for (v, sp), r in sorted(steps.items(), key=str):
+    if r.get("mfu") is not None:
+      out[f"step_{v}_mfu" + ("" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}")] = r["mfu"]
   for r in records:
     if r["name"] == "rollout/sampler" and "decode_tokens_per_s" in r:
       out["decode_tokens_per_s"] = r["decode_tokens_per_s"]
       out["decode_bandwidth_fraction"] = r.get("decode_bandwidth_fraction")
+      if r.get("decode_spec_bandwidth_fraction") is not None:
+        out["decode_spec_bandwidth_fraction"] = r["decode_spec_bandwidth_fraction"]
     if r["name"] == "rollout/greedy_uncached" and "cache_speedup" in r:
       out["kv_cache_speedup"] = r["cache_speedup"]
     if r["name"] == "rl" and r.get("step_s"):
       out["rl_step_s"] = r["step_s"]
       out["rl_peak_rss_bytes"] = max(r["peak_rss_bytes"], r["peak_children_rss_bytes"])
-      for name, s in FRAMEWORK_STEP_S.items():
-        out[f"rl_step_over_{name}"] = r["step_s"] / s
-        out[f"{name}_step_s"] = s
+    if r["name"] == "against":
+      out["peer"] = r["peer"]
+      out.update({f"rl_{k}_over_peer": v for k, v in r["ratios"].items()})
   out["errors"] = sum(("error" in r) + ("memory_error" in r) for r in records)
   out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
   return out
@@ -209,34 +250,54 @@ def _clean(x):
   return x
 
 
-def emit(rec: dict[str, Any]) -> None:
-  print(json.dumps(_clean(rec)), flush=True)
+def emit(rec: dict[str, Any], out: str | None = None) -> None:
+  """Prints rec as one JSON line; also appends it to the file `out` when given."""
+  line = json.dumps(_clean(rec))
+  print(line, flush=True)
+  if out is not None:
+    with open(out, "a", encoding="utf-8") as f:
+      f.write(line + "\n")
 
 
 # ----------------------------------------------------------------------------- entry point
 
 
-def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None,
-              warmup: int | None = None) -> list[dict[str, Any]]:
-  """Prints one JSON line per measurement and a summary line; returns the same records, summary last."""
+def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmup: int | None = None,
+              against: dict[str, Any] | None = None, out: str | None = None, variants: str = "abcd",
+              shared_prefix: str = "both", peak_flops: float | None = None,
+              peak_bandwidth: float | None = None) -> list[dict[str, Any]]:
+  """Prints one JSON line per measurement and a summary line; returns the same records, summary last.
+
+  against: a peer's figures (bench_peer.load_peer), compared with the rl
+  record in an `against` record and on stderr. out: a file that receives the
+  same JSON lines (it is started afresh). variants, shared_prefix: the step
+  variants to run (letters of STEP_VARIANTS) and with which model.shared_prefix
+  (off, on, both). peak_flops, peak_bandwidth: the device's
+  data-sheet bfloat16 FLOP/s and memory bytes/s for MFU and floors, where
+  bench/machine.py does not know its device_kind.
+  """
   if what not in WHAT:
     raise ValueError(f"bench: what must be one of {WHAT}, got {what!r}")
   kinds = ("step", "rollout", "rl") if what == "all" else (what,)
   records: list[dict[str, Any]] = []
+  if out is not None:
+    open(out, "w", encoding="utf-8").close()
 
   def record(name: str, rec: dict[str, Any], **fields) -> dict[str, Any]:
     rec = {"name": name, **fields, **rec}
     records.append(rec)
-    emit(rec)
+    emit(rec, out)
     return rec
 
   with tempfile.TemporaryDirectory(prefix="erpo-bench-") as tmp:
-    device = record("device", run_worker("device", None, iters=1, warmup=1, tmp=tmp))
+    device = record("device", with_spec_peaks(run_worker("device", None, iters=1, warmup=1, tmp=tmp),
+                                              peak_flops=peak_flops, peak_bandwidth=peak_bandwidth))
     for kind in kinds:
       n, w = DEFAULT_ITERS[kind]
       n, w = (n if iters is None else iters), (w if warmup is None else warmup)
       if kind == "step":
-        for rec in step_records(cfg, iters=n, warmup=w, tmp=tmp, device=device):
+        for rec in step_records(cfg, iters=n, warmup=w, tmp=tmp, device=device, variants=variants,
+                                shared_prefix=shared_prefix):
           record(rec.pop("name"), rec)
       elif kind == "rollout":
         rec = run_worker("rollout", cfg, iters=n, warmup=w, tmp=tmp)
@@ -246,8 +307,11 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None,
         record("rollout/sampler", rec)
         record("rollout/greedy_uncached", run_worker("greedy", cfg, iters=n, warmup=w, tmp=tmp))
       else:
-        rec = run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp)
-        record("rl", rec)
+        rec = record("rl", run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp))
+        if against is not None and "error" not in rec:
+          vs = record("against", bench_peer.compare(rec, against, rec.get("cpu_model") or machine.cpu_model()))
+          for line in bench_peer.report(vs):
+            print(line, file=sys.stderr, flush=True)
   records.append(summary(records))
-  emit(records[-1])
+  emit(records[-1], out)
   return records

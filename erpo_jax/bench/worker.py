@@ -4,7 +4,9 @@ SPEC holds {"kind": device|steps|step_memory|rollout|greedy|rl, "config": a
 YAML file (a list of them for steps), "iters": int, "warmup": int}; OUT
 receives the measurement's JSON record. A process per measurement makes its
 peak memory (ru_maxrss, the device's peak_bytes_in_use) that of this
-measurement alone.
+measurement alone. Each uses the persistent compilation cache as the CLI
+does (erpo_jax.compile_cache; ERPO_JAX_CACHE_DIR=off for cold compiles), and its
+record says how many programs it loaded from it (`compile_cache`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 import jax.numpy as jnp
 
+from erpo_jax import compile_cache
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.bench.rl import measure_rl
 from erpo_jax.bench.rollout import measure_greedy, measure_sampler
@@ -59,9 +62,12 @@ def main(argv: list[str]) -> int:
   spec_path, out_path = argv
   with open(spec_path, encoding="utf-8") as f:
     spec = json.load(f)
+  if spec["kind"] != "greedy":  # greedy sets up a cache of its own, in a temporary folder
+    compile_cache.setup()
   paths = spec["config"]
   cfg = [load_config(p) for p in paths] if isinstance(paths, list) else (load_config(paths) if paths else None)
   record = measure(spec["kind"], cfg, iters=spec["iters"], warmup=spec["warmup"])
+  record["compile_cache"] = compile_cache.stats()
   with open(out_path, "w", encoding="utf-8") as f:
     json.dump(record, f)
   return 0

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from erpo_jax import compile_cache
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
@@ -124,13 +125,22 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   Holds the run folder's lock throughout; a resume whose config changes what
   the run computes is refused unless `allow_config_change` (see run_folder).
   """
+  t_start = time.perf_counter()
   cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
-    return _train(cfg, run_dir, allow_config_change, hooks)
+    return _train(cfg, run_dir, allow_config_change, hooks, t_start)
 
 
-def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks: Hooks) -> dict[str, float]:
+def _first_step_line(step: int, t_start: float, t_step: float, t_end: float) -> str:
+  """The log line of this invocation's first step: how long until it ended, where the time went, what the
+  compilation cache held (a relaunch with a warm cache loads its programs instead of compiling them)."""
+  return (f"step {step} is this run's first: it ended {t_end - t_start:.1f} s after start (set-up "
+          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s); {compile_cache.describe()}")
+
+
+def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks: Hooks,
+           t_start: float) -> dict[str, float]:
 
   # --- set-up: mesh, models, optimizer, data, sampler, verifier
   mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -252,6 +262,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                prompt_bucket, response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
+      if step == start + 1:
+        multihost.log(_first_step_line(step, t_start, t0, t4))
       if not finite:
         if not cfg.train.skip_nonfinite:
           ckpt.wait()  # the last finite checkpoint is complete on disk before the run stops
@@ -273,6 +285,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         last.update(sampling)
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
                      "time/update": t4 - t3, "time/step": t4 - t0})
+        if step == start + 1:  # set-up and compilation included: cold vs warm compilation cache
+          last["time/to_first_step"] = t4 - t_start
         last.update(evaluation)
         metrics_out.write(step, last)
       if cfg.log.samples_every and step % cfg.log.samples_every == 0:

@@ -34,7 +34,7 @@ def _changed_from_default(name):
   return {k: v for k, v in flatten(load_config(f"configs/{name}.yaml").to_dict()).items() if default[k] != v}
 
 
-DAPO_FIELDS = {"reward.overlong_buffer": 8, "ppo.eps_high": 0.28, "ppo.loss_aggregation": "token-mean"}
+DAPO_FIELDS = {"rollout.dynamic_sampling": True, "reward.overlong_buffer": 8, "ppo.eps_high": 0.28, "ppo.loss_aggregation": "token-mean"}
 
 
 @pytest.mark.parametrize("name,changed", [

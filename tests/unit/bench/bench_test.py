@@ -82,16 +82,19 @@ def test_summary_divides_step_times_by_the_grpo_step():
           {"name": "rl", "step_s": 9.06, "peak_rss_bytes": 5, "peak_children_rss_bytes": 7}]
   s = bench_run.summary(recs)
   assert s["step_a_over_c"] == 1.5 and s["step_b_over_c"] == 0.5 and s["step_d_over_c"] == 0.75
-  assert s["rl_step_over_trl"] == pytest.approx(9.06 / 45.3) and s["rl_peak_rss_bytes"] == 7
+  assert s["rl_step_s"] == 9.06 and s["rl_peak_rss_bytes"] == 7
+  assert not any("trl" in k or "peer" in k for k in s)  # no peer figures unless measured and given
   assert s["errors"] == 0
 
 
 def test_rl_summary_leaves_out_the_warmup_steps():
-  rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0}, {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
+  rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0, "time/to_first_step": 42.0},
+          {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
           {"step": 3, "time/step": 5.0, "time/rollout": 2.0}, {"step": 4, "time/step": 4.0, "time/rollout": 3.0}]
   out = bench_rl.summarize_steps(rows, warmup=1)
   assert out["step_s"] == 4.0 and out["rollout_s"] == 2.0 and out["timed_steps"] == [2, 3, 4]
   assert out["warmup_step_times_s"] == [30.0] and out["update_s"] is None
+  assert out["to_first_step_s"] == 42.0  # set-up and compilation, apart from the medians
 
 
 def test_sampler_without_stop_tokens_runs_every_row_to_full_length():
@@ -166,3 +169,63 @@ def test_cli_bench_step_exits_0_with_json_lines_on_stdout():
                          "--warmup", "1"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   _check_step_lines([json.loads(line) for line in proc.stdout.splitlines()])
+
+
+def test_mfu_is_flops_per_s_over_the_data_sheet_bf16_peak_of_the_device_kind():
+  device = bench_run.with_spec_peaks({"device_kind": "NVIDIA H200", "peak_flops_per_s_bfloat16": 700e12})
+  assert (device["spec_flops_per_s"], device["spec_bytes_per_s"]) == (989e12, 4.8e12)
+  rec = {"dtype": "bfloat16", "flops_per_s": 494.5e12}
+  bench_run.with_utilisation(rec, device, "flops_per_s", "utilisation")
+  # 494.5 / 989 = 0.5 of the data sheet; 494.5 / 700 of the measured matmul peak.
+  assert rec["mfu"] == pytest.approx(0.5) and rec["utilisation"] == pytest.approx(494.5 / 700)
+  # An unknown device has no data-sheet peak unless given; a CPU gets no MFU.
+  assert bench_run.with_spec_peaks({"device_kind": "cpu"})["spec_flops_per_s"] is None
+  given = bench_run.with_spec_peaks({"device_kind": "Some GPU"}, peak_flops=2e14, peak_bandwidth=1e12)
+  assert (given["spec_flops_per_s"], given["spec_bytes_per_s"]) == (2e14, 1e12)
+  cpu = {"dtype": "float32", "flops_per_s": 1e9}
+  bench_run.with_utilisation(cpu, bench_run.with_spec_peaks({"device_kind": "cpu"}), "flops_per_s", "utilisation")
+  assert "mfu" not in cpu
+
+
+def test_decode_is_compared_with_the_data_sheet_bandwidth_floor():
+  device = bench_run.with_spec_peaks({"device_kind": "NVIDIA H200 NVL", "read_bytes_per_s": 4.0e12})
+  assert device["spec_flops_per_s"] == 835e12  # the longest matching name wins over "NVIDIA H200"
+  rec = {"decode_step_s": 5e-3, "param_bytes": 2.0e9, "kv_bytes_per_step": 0.4e9, "decode_step_flops": 1e11}
+  bench_run.with_decode_floors(rec, device)
+  # (2.0 + 0.4) GB / 4.8 TB/s = 0.5 ms: a 5 ms token step is 10% of the floor; measured 4.0 TB/s: 0.6 ms, 12%.
+  assert rec["decode_spec_bandwidth_floor_s"] == pytest.approx(0.5e-3)
+  assert rec["decode_spec_bandwidth_fraction"] == pytest.approx(0.1)
+  assert rec["decode_bandwidth_fraction"] == pytest.approx(0.12)
+
+
+def test_cli_bench_variant_and_peak_options():
+  from erpo_jax import cli
+  args = cli.parse_args(["bench", "step", "--variants", "c,a", "--shared-prefix", "on", "--peak-flops", "9.89e14"])
+  assert (args.variants, args.shared_prefix, args.peak_flops, args.peak_bandwidth) == ("ac", "on", 989e12, None)
+  assert cli.parse_args(["bench"]).variants == "abcd"
+  for bad in (["--variants", "e"], ["--variants", ""], ["--peak-flops", "0"], ["--peak-bandwidth", "inf"]):
+    with pytest.raises(SystemExit):
+      cli.parse_args(["bench", "step", *bad])
+
+
+def test_step_runs_only_the_chosen_variants_and_shared_prefix_settings(monkeypatch):
+  started = []
+
+  def fake_worker(kind, cfg, *, iters, warmup, tmp):
+    cfgs = cfg if isinstance(cfg, list) else [cfg]
+    started.append((kind, [(c.erpo.kl_on, c.model.shared_prefix) for c in cfgs]))
+    if kind == "steps":
+      return {"variants": [{"time_s": 1.0, "flops_per_s": 2.0, "dtype": "float32"} for _ in cfgs],
+              "iters": iters, "warmup": warmup, "platform": "cpu", "device_kind": "cpu", "cpu_model": "x",
+              "host_cpus": 2, "local_peak_flops_per_s": 4.0, "load_avg_start": [0.0], "load_avg_end": [0.0],
+              "compile_cache": {}, "peak_rss_bytes": 1}
+    return {"peak_rss_bytes": 1, "peak_device_bytes": None, "first_call_s": 1.0, "load_avg_end": [0.0]}
+
+  monkeypatch.setattr(bench_run, "run_worker", fake_worker)
+  recs = list(bench_run.step_records(load_config(TINY), iters=1, warmup=0, tmp="/tmp", device={},
+                                     variants="ac", shared_prefix="on"))
+  assert [r["name"] for r in recs] == ["step/a/shared_prefix_on", "step/c/shared_prefix_on"]
+  # One timing process for both, then one memory process each.
+  assert started == [("steps", [("prompt", True), ("response", True)]), ("step_memory", [("prompt", True)]),
+                     ("step_memory", [("response", True)])]
+  assert recs[0]["utilisation"] == 0.5  # 2 FLOP/s over the 4 measured in the timing process

@@ -18,9 +18,13 @@ def run(tmp_path, name, *overrides):
   return cfg, last, read_jsonl(tmp_path / name / "metrics.jsonl")
 
 
-def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp_path):
+def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp_path, capsys):
   cfg, last, rows = run(tmp_path, "a", "train.steps=2", "train.eval_every=2", "checkpoint.every=0")
   assert [r["step"] for r in rows] == [1, 2]
+  # The first step of an invocation also says how long set-up and compilation took.
+  assert rows[0]["time/to_first_step"] > rows[0]["time/step"] > 0 and "time/to_first_step" not in rows[1]
+  first = [line for line in capsys.readouterr().out.splitlines() if "is this run's first" in line]
+  assert len(first) == 1 and first[0].startswith("step 1 is this run's first: it ended ")
   tb = read_tensorboard_scalars(tmp_path / "a" / "tb")
   missing = [name for name in SPEC_SCALARS if name not in tb]
   assert not missing, missing

@@ -1,0 +1,122 @@
+"""`erpo-jax bench rl --against FILE`: erpo-jax's figures over a peer's, both measured on one machine.
+
+FILE is what scripts/peers/trl_grpo_bench.py writes with --json-out
+({"summary": ..., "per_step": ...}), its summary object alone, or its log,
+whose last `SUMMARY_JSON {...}` line is read. The ratios (erpo-jax / peer;
+below 1: erpo-jax is faster or smaller), each of medians over the timed steps:
+
+  step      whole step                          / step_wall_s
+  rollout   rollout: sampling the responses     / generate_s
+  update    reference phase + update            / ref_logps_fwd_s + update_s
+  peak_rss  peak RSS (trainer or a verifier)    / peak_rss_mb
+
+TRL computes the reference log-probs inside its rollout and erpo-jax inside
+its update (or from a cache), so `update` adds the reference's time on both
+sides. Rewards are left out of rollout and update on both sides (in step).
+Absolute times differ a lot between machines, so each side says where it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from erpo_jax.errors import DataError, PathError
+
+SCRIPT = "scripts/peers/trl_grpo_bench.py"
+# Dotted paths of the summary figures the ratios read.
+PEER_KEYS = ("step_wall_s.median", "generate_s.median", "ref_logps_fwd_s.median", "update_s.median", "peak_rss_mb")
+RATIOS = ("step", "rollout", "update", "peak_rss")
+
+
+def _summary_of(text: str) -> Any:
+  """The summary object in a --json-out file, a bare summary, or the last SUMMARY_JSON line of a log."""
+  lines = [line for line in text.splitlines() if line.startswith("SUMMARY_JSON ")]
+  if lines:
+    return json.loads(lines[-1][len("SUMMARY_JSON "):])
+  if not text.strip():
+    raise ValueError("neither a JSON object nor a log with a 'SUMMARY_JSON {...}' line")
+  obj = json.loads(text)
+  return obj["summary"] if isinstance(obj, dict) and isinstance(obj.get("summary"), dict) else obj
+
+
+def _figure(summary: dict, key: str, path: str) -> float:
+  value: Any = summary
+  for part in key.split("."):
+    if not isinstance(value, dict) or part not in value:
+      raise DataError(f"--against '{path}': missing key '{key}' (expected the summary JSON of {SCRIPT})")
+    value = value[part]
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    raise DataError(f"--against '{path}': key '{key}' is {value!r}, expected a positive number")
+  return float(value)
+
+
+def load_peer(path: str) -> dict[str, Any]:
+  """The peer's figures and where they were measured; one-line PathError / DataError naming the file and key."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except OSError as e:
+    raise PathError(f"--against '{path}': {e.strerror or e}") from None
+  except UnicodeDecodeError:
+    raise DataError(f"--against '{path}': not UTF-8 text (expected the summary JSON of {SCRIPT})") from None
+  try:
+    summary = _summary_of(text)
+  except (ValueError, RecursionError) as e:
+    raise DataError(f"--against '{path}': not the summary JSON of {SCRIPT} ({e})") from None
+  if not isinstance(summary, dict):
+    raise DataError(f"--against '{path}': expected a JSON object (the summary of {SCRIPT}), "
+                    f"got {type(summary).__name__}")
+  host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
+  cpu = host.get("cpu_model")
+  return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
+          "cpu_model": cpu if isinstance(cpu, str) and cpu else None, "host_cpus": host.get("cpus"),
+          "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
+
+
+def _ratio(a: float | None, b: float) -> float | None:
+  return None if a is None else a / b
+
+
+def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[str, Any]:
+  """The `against` record: both sides' figures, their ratios, the machines, and warnings when they differ.
+
+  rl is the `bench rl` record (step_s, rollout_s, reference_s, update_s,
+  peak_rss_bytes, peak_children_rss_bytes, platform, device_kind); cpu_model
+  is this machine's.
+  """
+  f = peer["figures"]
+  ref_update = None if rl.get("reference_s") is None or rl.get("update_s") is None else (
+      rl["reference_s"] + rl["update_s"])
+  ours = {"step_s": rl.get("step_s"), "rollout_s": rl.get("rollout_s"), "reference_plus_update_s": ref_update,
+          "peak_rss_bytes": max(rl["peak_rss_bytes"], rl.get("peak_children_rss_bytes") or 0)}
+  theirs = {"step_s": f["step_wall_s.median"], "rollout_s": f["generate_s.median"],
+            "reference_plus_update_s": f["ref_logps_fwd_s.median"] + f["update_s.median"],
+            "peak_rss_bytes": f["peak_rss_mb"] * 2 ** 20}
+  ratios = {name: _ratio(ours[k], theirs[k]) for name, k in zip(RATIOS, ours)}
+  platform, kind = rl.get("platform", "cpu"), rl.get("device_kind", "")
+  warnings = []
+  if peer["cpu_model"] is None:
+    warnings.append(f"'{peer['file']}' does not name the CPU it was measured on; the ratios assume it was this "
+                    f"machine's ({cpu_model})")
+  elif peer["cpu_model"] != cpu_model:
+    warnings.append(f"the peer was measured on '{peer['cpu_model']}' and erpo-jax on '{cpu_model}': the ratios "
+                    f"compare different machines")
+  if peer["device"] is not None and peer["device"] != platform:
+    warnings.append(f"erpo-jax ran on {platform} ({kind}) and the peer on {peer['device']}: the ratios compare "
+                    f"different devices")
+  return {"peer": peer["framework"], "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
+          "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind},
+                      "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"]}},
+          "warnings": warnings}
+
+
+def report(rec: dict[str, Any]) -> list[str]:
+  """Human lines of an `against` record (the bench prints them on stderr): warnings, then the ratios."""
+  shown = ", ".join(f"{name.replace('_rss', ' RSS')} {v:.2f}x" for name, v in rec["ratios"].items() if v is not None)
+  m = rec["machine"]
+  where = (f"erpo-jax on {m['erpo_jax']['cpu_model']} ({m['erpo_jax']['platform']}), "
+           f"{rec['peer']} on {m['peer']['cpu_model'] or 'an unnamed CPU'} ({m['peer']['device'] or 'unknown'})")
+  return ([f"warning: {w}" for w in rec["warnings"]]
+          + [f"bench --against {rec['file']}: erpo-jax / {rec['peer']}: {shown or 'no figures'}; {where}"])

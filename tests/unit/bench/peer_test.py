@@ -1,0 +1,110 @@
+"""`bench --against`: a peer's summary JSON read, erpo-jax's figures divided by it, the machines named."""
+
+import json
+
+import pytest
+
+from erpo_jax import cli
+from erpo_jax.bench import peer
+from erpo_jax.bench import run as bench_run
+from erpo_jax.errors import DataError, PathError
+
+CPU = "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+# As trl_grpo_bench.py writes it (--json-out), cut to what the ratios read plus the machine.
+SUMMARY = {"framework": "trl.GRPOTrainer", "device": "cpu", "host": {"cpus": 2, "machine": "x86_64", "cpu_model": CPU},
+           "step_wall_s": {"median": 40.0, "min": 39.0, "max": 44.0}, "generate_s": {"median": 24.0},
+           "rollout_s": {"median": 27.0}, "ref_logps_fwd_s": {"median": 5.0}, "update_s": {"median": 15.0},
+           "peak_rss_mb": 2048.0}
+# A bench rl record: 3 GiB peak RSS in the trainer, 0.1 GiB in a verifier worker.
+RL = {"name": "rl", "step_s": 20.0, "rollout_s": 6.0, "reward_s": 0.2, "reference_s": 1.0, "update_s": 14.0,
+      "peak_rss_bytes": 3 * 2 ** 30, "peak_children_rss_bytes": 2 ** 30 // 10, "platform": "cpu",
+      "device_kind": "cpu", "cpu_model": CPU}
+
+
+def _write(tmp_path, obj, name="trl.json") -> str:
+  path = tmp_path / name
+  path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+  return str(path)
+
+
+def test_ratios_divide_erpo_jax_figures_by_the_peers(tmp_path):
+  rec = peer.compare(RL, peer.load_peer(_write(tmp_path, {"summary": SUMMARY, "per_step": []})), CPU)
+  # step 20 / 40; rollout 6 / generate 24; update (1 + 14) / (5 + 15); RSS 3 GiB / 2048 MiB.
+  assert rec["ratios"] == {"step": 0.5, "rollout": 0.25, "update": 0.75, "peak_rss": 1.5}
+  assert rec["peer_figures"]["peak_rss_bytes"] == 2 * 2 ** 30 and rec["erpo_jax"]["reference_plus_update_s"] == 15.0
+  assert rec["machine"]["erpo_jax"]["cpu_model"] == rec["machine"]["peer"]["cpu_model"] == CPU
+  assert rec["warnings"] == []
+  (line,) = peer.report(rec)
+  assert "erpo-jax / trl.GRPOTrainer: step 0.50x, rollout 0.25x, update 0.75x, peak RSS 1.50x" in line
+  assert line.count(CPU) == 2
+
+
+def test_a_peer_measured_on_another_cpu_or_device_is_one_warning_line_each(tmp_path):
+  other = {**SUMMARY, "host": {**SUMMARY["host"], "cpu_model": "AMD EPYC 7B13"}}
+  rec = peer.compare({**RL, "platform": "gpu", "device_kind": "NVIDIA H200"},
+                     peer.load_peer(_write(tmp_path, other)), CPU)
+  lines = peer.report(rec)
+  assert len(lines) == 3 and all(line.startswith("warning: ") for line in lines[:2])
+  assert "'AMD EPYC 7B13'" in lines[0] and f"'{CPU}'" in lines[0] and "different machines" in lines[0]
+  assert "erpo-jax ran on gpu (NVIDIA H200) and the peer on cpu" in lines[1]
+  assert rec["ratios"]["step"] == 0.5  # still computed and stored
+
+
+def test_a_peer_file_without_a_cpu_model_says_the_ratio_assumes_this_machine(tmp_path):
+  bare = {k: v for k, v in SUMMARY.items() if k != "host"}
+  rec = peer.compare(RL, peer.load_peer(_write(tmp_path, bare)), CPU)
+  assert len(rec["warnings"]) == 1 and "does not name the CPU" in rec["warnings"][0] and CPU in rec["warnings"][0]
+
+
+def test_the_printed_log_is_read_from_its_last_summary_line(tmp_path):
+  log = ("[step] {...}\nSUMMARY_JSON " + json.dumps({**SUMMARY, "step_wall_s": {"median": 80.0}})
+         + "\nSUMMARY_JSON " + json.dumps(SUMMARY) + "\n")
+  got = peer.load_peer(_write(tmp_path, log, "trl.log"))
+  assert got["figures"]["step_wall_s.median"] == 40.0 and got["framework"] == "trl.GRPOTrainer"
+
+
+@pytest.mark.parametrize("content,needle", [
+    ({"summary": {**SUMMARY, "update_s": {"min": 1.0}}}, "missing key 'update_s.median'"),
+    ({k: v for k, v in SUMMARY.items() if k != "peak_rss_mb"}, "missing key 'peak_rss_mb'"),
+    ({**SUMMARY, "generate_s": {"median": "fast"}}, "key 'generate_s.median' is 'fast', expected a positive number"),
+    ({**SUMMARY, "step_wall_s": {"median": 0}}, "key 'step_wall_s.median' is 0"),
+    ("{not json", "not the summary JSON of scripts/peers/trl_grpo_bench.py"),
+    ("[1, 2]", "expected a JSON object"),
+    ("", "neither a JSON object nor a log with a 'SUMMARY_JSON {...}' line"),
+])
+def test_a_malformed_peer_file_is_an_error_naming_the_file_and_key(tmp_path, content, needle):
+  path = _write(tmp_path, content)
+  with pytest.raises(DataError) as e:
+    peer.load_peer(path)
+  assert str(e.value).startswith(f"--against '{path}': ") and needle in str(e.value), str(e.value)
+
+
+def test_a_missing_peer_file_is_a_path_error():
+  with pytest.raises(PathError, match="--against '/nonexistent/trl.json': No such file"):
+    peer.load_peer("/nonexistent/trl.json")
+
+
+def test_cli_refuses_a_bad_peer_file_in_one_line_before_measuring(tmp_path, capsys):
+  path = _write(tmp_path, {"summary": {**SUMMARY, "update_s": {}}})
+  assert cli.main(["bench", "rl", "--config", "configs/tiny.yaml", "--against", path]) == 2
+  err = capsys.readouterr().err
+  assert err == f"erpo-jax bench: error: --against '{path}': missing key 'update_s.median' (expected the summary " \
+                "JSON of scripts/peers/trl_grpo_bench.py)\n"
+
+
+def test_cli_against_needs_the_rl_measurement(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "step", "--config", "configs/tiny.yaml", "--against", "trl.json"])
+  assert e.value.code == 2 and "use it with bench rl or bench all, not step" in capsys.readouterr().err
+
+
+def test_summary_carries_the_peer_ratios_and_out_file_gets_every_line(tmp_path, capsys):
+  rec = {"name": "against", **peer.compare(RL, peer.load_peer(_write(tmp_path, SUMMARY)), CPU)}
+  s = bench_run.summary([RL, rec])
+  assert (s["peer"], s["rl_step_over_peer"], s["rl_update_over_peer"], s["rl_peak_rss_over_peer"]) == (
+      "trl.GRPOTrainer", 0.5, 0.75, 1.5)
+  out = tmp_path / "bench.jsonl"
+  for r in (RL, rec, s):
+    bench_run.emit(r, str(out))
+  printed = capsys.readouterr().out.splitlines()
+  assert out.read_text().splitlines() == printed and json.loads(printed[1])["ratios"]["rollout"] == 0.25
