@@ -38,6 +38,7 @@ def _resume_to_the_end(run_dir, resumed_from: int) -> None:
   tiny_runs.assert_same_as_reference(run_dir)
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_stops_with_the_path_and_resumes_from_the_previous_checkpoint(tmp_path):
   tiny_runs.reference_run()
   run_dir = tmp_path / "run"

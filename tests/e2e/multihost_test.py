@@ -94,6 +94,7 @@ def _final_params(run_dir, cfg):
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_two_processes_log_the_losses_and_metrics_of_one_process(runs):
   one, two = _metrics(runs["one"]), _metrics(runs["two"])
   # One line per step: process 1 writes no metrics (it would have doubled the lines).
@@ -112,6 +113,7 @@ def test_two_processes_log_the_losses_and_metrics_of_one_process(runs):
   assert "jax.distributed" not in runs["outputs"][1]
 
 
+@pytest.mark.slow
 def test_two_processes_end_with_the_params_of_one_process(runs):
   cfg = load_config(TINY, list(OVERRIDES))
   one, two = _final_params(runs["one"], cfg), _final_params(runs["two"], cfg)
@@ -123,6 +125,7 @@ def test_two_processes_end_with_the_params_of_one_process(runs):
   assert max_abs(one, init) > 100 * TOL  # training moved the params well beyond the tolerance
 
 
+@pytest.mark.slow
 def test_each_process_fed_a_disjoint_slice_and_together_the_global_batch(runs):
   cfg = load_config(TINY, list(OVERRIDES))
   whole = _indices(runs["one"], 0)
@@ -134,6 +137,7 @@ def test_each_process_fed_a_disjoint_slice_and_together_the_global_batch(runs):
     assert p0 + p1 == whole[t]  # process p holds rows [p*B/2, (p+1)*B/2) of the global batch
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_each_process_at_its_slice_of_the_next_batch(runs):
   from erpo_jax.model.io.loading import load_tokenizer
   cfg = load_config(TINY, list(OVERRIDES))

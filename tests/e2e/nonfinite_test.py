@@ -35,6 +35,7 @@ def test_nan_loss_stops_the_run_with_exit_3_naming_the_step_and_saves_nothing_fr
   _assert_every_checkpoint_finite(run_dir)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_skips_exactly_that_update_and_finishes_finite(tmp_path):
   run_dir = tmp_path / "run"
   proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "train.steps=4", "train.skip_nonfinite=true", nan_step=3)

@@ -193,6 +193,7 @@ def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
   assert buckets.packed_capacity(1427, 2048) == 1536 and buckets.packed_capacity(3000, 2048) == 2048
 
 
+@pytest.mark.slow
 def test_shared_layout_needs_fewer_flops():
   # Tokens run: plain N*S = 12*26 = 312; shared B*P + N*R = 30 + 144 = 174 (about 0.56x).
   tokens, prompt_len, _, _ = make_rows()

@@ -199,6 +199,7 @@ def test_inverse_cdf_draws_a_one_hot_row_exactly():
   assert (np.asarray(categorical(jax.random.key(0), logits)) == 517).all()
 
 
+@pytest.mark.slow
 def test_top_k_one_sampling_equals_greedy(model):
   s = Sampler(model, tok(eos_ids=(V + 1,)), max_new_tokens=6, top_k=1, min_prompt_bucket=4)
   r = s.generate(model, PROMPTS, group_size=2, key=jax.random.key(4))

@@ -36,6 +36,7 @@ def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp
   assert (tmp_path / "a" / "checkpoints" / "2").is_dir()  # the last step is always saved
 
 
+@pytest.mark.slow
 def test_static_weights_come_from_the_reference_cache(tmp_path):
   cfg, last, rows = run(tmp_path, "s", "train.steps=1", "erpo.weights=static")
   cache = np.load(tmp_path / "s" / "cache" / "reference_cache.npz")
@@ -46,6 +47,7 @@ def test_static_weights_come_from_the_reference_cache(tmp_path):
   assert w.min() <= rows[0]["weight/mean"] <= w.max()
 
 
+@pytest.mark.slow
 def test_weights_none_gives_unit_weights_and_dynamic_follows_the_current_nll(tmp_path):
   _, _, none = run(tmp_path, "n", "train.steps=1", "erpo.weights=none")
   assert none[0]["weight/min"] == none[0]["weight/max"] == 1.0
@@ -56,6 +58,7 @@ def test_weights_none_gives_unit_weights_and_dynamic_follows_the_current_nll(tmp
   assert r["weight/max"] == pytest.approx(r["prompt_nll/mean"] / r["prompt_nll/min"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_cached_reference_gives_the_same_first_step_as_the_reference_forward(tmp_path):
   _, _, fwd = run(tmp_path, "f", "train.steps=1", "erpo.reference=forward", "erpo.alpha=1.0")
   _, _, cached = run(tmp_path, "c", "train.steps=1", "erpo.reference=cached", "erpo.alpha=1.0")

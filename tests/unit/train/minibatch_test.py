@@ -32,7 +32,7 @@ def test_each_of_m_minibatches_of_m_copies_is_the_step_of_one_copy():
     assert float(m3[key]) == pytest.approx(float(m1[key]), rel=1e-5, abs=1e-6), key  # loss/pg is ~0 here
 
 
-@pytest.mark.parametrize("weights", ["static", "dynamic"])
+@pytest.mark.parametrize("weights", ["static", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_microbatches_1_2_4_give_the_same_update(weights):
   batch = st.make_batch(seed=3, n=4 * st.G)
   out = {}

@@ -204,11 +204,11 @@ def test_a_truncated_row_under_mask_truncated_gives_the_step_of_its_response_mas
 
 # name -> (overrides, mesh shapes (data, fsdp, tensor)); each setting's sharded steps are compared with its (1, 1, 1).
 SHARDED_SETTINGS = {
-    "grpo": ([], [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]),
-    "rloo": (["ppo.advantage=rloo", "erpo.weights=dynamic"], [(1, 1, 1), (2, 2, 2)]),
-    # DAPO-like: rows 1, 4, 7 of make_batch are truncated and left out of the loss.
-    "dapo": (["ppo.mask_truncated=true", "ppo.eps_high=0.28", "ppo.loss_aggregation=token-mean",
-              "erpo.kl_on=all"], [(1, 1, 1), (2, 2, 2)]),
+    "grpo": ([], [(1, 1, 1), (8, 1, 1), (2, 2, 2)]),
+    # RLOO advantages with DAPO's settings and dynamic weights: rows 1, 4, 7 of make_batch are truncated and
+    # left out of the loss.
+    "rloo_dapo": (["ppo.advantage=rloo", "erpo.weights=dynamic", "ppo.mask_truncated=true", "ppo.eps_high=0.28",
+                   "ppo.loss_aggregation=token-mean", "erpo.kl_on=all"], [(1, 1, 1), (2, 2, 2)]),
 }
 
 SHARDED_SCRIPT = textwrap.dedent("""
@@ -237,7 +237,7 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
   res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
-  assert out["dapo (1, 1, 1)"]["metrics"]["loss/masked_truncated"] == pytest.approx(3 / 8)
+  assert out["rloo_dapo (1, 1, 1)"]["metrics"]["loss/masked_truncated"] == pytest.approx(3 / 8)
   for name, (_, shapes) in SHARDED_SETTINGS.items():
     base = out[f"{name} (1, 1, 1)"]
     for shape in shapes[1:]:
