@@ -210,6 +210,7 @@ def test_analyze_agrees_with_a_by_hand_nll_of_three_questions():
   assert not math.isnan(res["pearson"])
 
 
+@pytest.mark.slow
 def test_analyze_command_prints_the_correlations_and_writes_json_and_png(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "analyze", "--config", str(REPO / "configs/tiny.yaml"),
                          "--num", "3", "--out", str(tmp_path / "a"), f"run.dir={tmp_path / 'run'}"], cwd=REPO,

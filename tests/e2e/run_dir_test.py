@@ -52,6 +52,7 @@ def test_a_second_trainer_on_a_locked_run_dir_is_refused_naming_the_holder(finis
     holder.wait()
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_group_size_is_refused_and_allowed_with_the_flag(finished):
   hashes = tiny_runs.file_hashes(finished)
   proc = tiny_runs.run_train(finished, "rollout.group_size=8", "optim.lr=0.002")

@@ -24,6 +24,7 @@ def test_run_sample_prints_each_completion_under_its_header(capsys):
     assert text in out
 
 
+@pytest.mark.slow
 def test_greedy_samples_are_identical_and_a_single_one_has_no_header(capsys):
   cfg = load_config(None, TINY)
   texts = run_sample(cfg, prompt="Hi", max_new_tokens=4, temperature=0.0, num=2, seed=0)

@@ -139,7 +139,7 @@ _value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=(1, 2, 11))
 
 
 @pytest.mark.parametrize("cfg, kl_on, remat, layout", [
-    (LLAMA, "prompt", False, True), (QWEN2, "all", True, True),
+    (LLAMA, "prompt", False, True), pytest.param(QWEN2, "all", True, True, marks=pytest.mark.slow),
     (LLAMA, "all", False, "packed"), (QWEN2, "response", "dots", "packed")],
     ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat-dots"])
 def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layout):

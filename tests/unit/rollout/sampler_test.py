@@ -44,6 +44,7 @@ def test_prompt_bucket_is_power_of_two_at_least_min():
   assert prompt_bucket(3, 4) == 4
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_full_forward_argmax(model):
   M = 10
   s = Sampler(model, tok(eos_ids=(V + 1,)), max_new_tokens=M, temperature=0.0, min_prompt_bucket=4)

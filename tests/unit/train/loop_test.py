@@ -68,6 +68,7 @@ def test_cached_reference_gives_the_same_first_step_as_the_reference_forward(tmp
   assert abs(fwd[0]["kl/query"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_config_is_saved_with_the_run(tmp_path):
   cfg, _, _ = run(tmp_path, "c", "train.steps=1")
   saved = load_config(tmp_path / "c" / "config.yaml")

@@ -52,6 +52,7 @@ def test_microbatches_1_2_4_give_the_same_update(weights):
       assert out[k][1][name] == pytest.approx(value, rel=1e-5, abs=5e-5), (k, name)  # ratio: 1 +- float noise
 
 
+@pytest.mark.slow
 def test_logged_grad_norm_is_the_norm_of_the_gradient_that_is_clipped_and_applied():
   cfg = st.tiny_cfg("data.batch_size=4", "ppo.microbatches=2", "erpo.weights=static", "erpo.alpha=0.5",
                     "optim.lr=1e-2", "optim.grad_clip=0.05")

@@ -97,7 +97,7 @@ def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on, advant
   assert float(metrics["optim/finite"]) == 1.0
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce"])
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", pytest.param("reinforce", marks=pytest.mark.slow)])
 def test_step_compiles_once_for_a_fixed_bucket(advantage):
   cfg = tiny_cfg(f"ppo.advantage={advantage}")
   step, graphdef, params, ref_params, opt_state = build(cfg)
@@ -248,6 +248,7 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shared_prefix_step_equals_the_plain_layout():
   # Caps P=8, R=16 make [B,P] + [N,R] smaller than [N,S], so the shared-prefix forward runs.
   caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-6"]
@@ -261,6 +262,7 @@ def test_shared_prefix_step_equals_the_plain_layout():
     assert out[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_packed_responses_step_equals_the_unpacked_step():
   caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "optim.lr=1e-3", "erpo.kl_on=all",
           "erpo.alpha=0.5", "erpo.weights=dynamic"]
