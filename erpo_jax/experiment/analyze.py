@@ -3,7 +3,8 @@
 For a seeded sample of training questions q (dataset order, prompts as training
 feeds them) and one model:
 
-    question NLL  s_q = -sum_{t in prompt, t >= 1} log p(x_t | x_<t)   (the prompt mask training uses)
+    question NLL  s_q = -sum_{t in prompt, t >= 1} log p(x_t | x_<t)   (the positions training scores:
+                  every prompt token, or with erpo.query_span=question the question's tokens only)
     response NLL  r_q = mean over G sampled responses of -sum_{t in response} log p(x_t | x_<t)
 
 responses drawn at rollout.temperature, G = rollout.group_size, up to
@@ -45,10 +46,11 @@ def sample_questions(num_questions: int, num: int, seed: int) -> list[int]:
 
 def nll_points(model, tokenizer, prompts: list[list[int]], *, group_size: int, max_new_tokens: int,
                temperature: float, key, chunk: int, batch_size: int = 8, top_p: float = 1.0, top_k: int = 0,
-               min_prompt_bucket: int = 16) -> dict[str, list]:
+               min_prompt_bucket: int = 16, question_masks: list[list[bool]] | None = None) -> dict[str, list]:
   """Per prompt: question NLL, mean response NLL (summed and per token), mean response length, responses' ids.
 
-  Batch i of prompts samples with fold_in(key, i).
+  Batch i of prompts samples with fold_in(key, i). With question_masks (one bool per prompt token) the
+  question NLL sums over the masked tokens only (erpo.query_span=question), else over the whole prompt.
   """
 
   graphdef, state = nnx.split(model)
@@ -56,9 +58,9 @@ def nll_points(model, tokenizer, prompts: list[list[int]], *, group_size: int, m
                     top_k=top_k, min_prompt_bucket=min_prompt_bucket)
 
   @jax.jit
-  def nll_rows(state, tokens_NxS, prompt_mask_NxS, response_mask_NxS):
+  def nll_rows(state, tokens_NxS, query_mask_NxS, response_mask_NxS):
     logp_NxS = logprobs.log_probs(nnx.merge(graphdef, state), tokens_NxS, chunk=chunk)
-    q_N = -jnp.where(scored_mask(prompt_mask_NxS), logp_NxS, 0.0).sum(axis=1)
+    q_N = -jnp.where(scored_mask(query_mask_NxS), logp_NxS, 0.0).sum(axis=1)
     r_N = -jnp.where(response_mask_NxS, logp_NxS, 0.0).sum(axis=1)
     return q_N, r_N
 
@@ -69,7 +71,15 @@ def nll_points(model, tokenizer, prompts: list[list[int]], *, group_size: int, m
     b = len(batch)
     padded = batch + [batch[-1]] * (batch_size - b)  # one shape: one compile
     roll = sampler.generate(state, padded, group_size=G, key=jax.random.fold_in(key, i))
-    q_N, r_N = jax.device_get(nll_rows(state, roll.tokens, roll.prompt_mask, roll.response_mask))
+    query_mask = roll.prompt_mask
+    if question_masks is not None:  # prompts start at column 0 of their rows
+      masks = question_masks[start:start + batch_size]
+      masks = masks + [masks[-1]] * (batch_size - b)
+      query_mask = np.zeros(roll.prompt_mask.shape, bool)
+      for n in range(query_mask.shape[0]):
+        m = masks[n // G]
+        query_mask[n, :len(m)] = m
+    q_N, r_N = jax.device_get(nll_rows(state, roll.tokens, query_mask, roll.response_mask))
     tokens = np.asarray(roll.tokens)
     p_len, r_len = np.asarray(roll.prompt_len), np.asarray(roll.response_len)
     for j in range(b):
@@ -94,13 +104,16 @@ def correlations(points: dict[str, list]) -> dict[str, float]:
 def analyze_model(cfg, model, tokenizer, *, num: int, seed: int) -> dict:
   """The analysis of one loaded model on `num` training questions -> JSON-ready dict."""
 
-  all_prompts = [tokens for tokens, _ in dataset_prompts(cfg, tokenizer)]
+  rows = dataset_prompts(cfg, tokenizer)  # erpo.query_span=question: every question located, or a DataError
+  all_prompts = [tokens for tokens, _ in rows]
   index = sample_questions(len(all_prompts), num, seed)
+  question_masks = [rows[i][1] for i in index] if cfg.erpo.query_span == "question" else None
   points = nll_points(model, tokenizer, [all_prompts[i] for i in index], group_size=cfg.rollout.group_size,
                       max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                       key=jax.random.key(seed), chunk=cfg.model.logits_chunk, batch_size=cfg.eval.batch_size,
-                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_prompt_bucket=cfg.rollout.min_prompt_bucket)
-  return {"num": len(index), "seed": seed, "group_size": cfg.rollout.group_size,
+                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, min_prompt_bucket=cfg.rollout.min_prompt_bucket,
+                      question_masks=question_masks)
+  return {"num": len(index), "query_span": cfg.erpo.query_span, "seed": seed, "group_size": cfg.rollout.group_size,
           "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
           **correlations(points), "index": index, **points}
 

@@ -209,6 +209,20 @@ def test_analyze_agrees_with_a_by_hand_nll_of_three_questions():
   assert res["spearman"] == stats.spearman(res["question_nll"], res["response_nll"])
   assert not math.isnan(res["pearson"])
 
+  # erpo.query_span=question: the question NLL sums over the question's tokens only, as training scores them
+  # (chat template on, so the prompt holds more than the question).
+  qcfg = load_config("configs/tiny.yaml", ["rollout.max_new_tokens=6", "erpo.query_span=question",
+                                           "data.chat_template=true", "data.max_prompt_tokens=0"])
+  qres = analyze.analyze_model(qcfg, model, tokenizer, num=3, seed=5)
+  rows = dataset_prompts(qcfg, tokenizer)
+  assert qres["index"] == res["index"] and qres["query_span"] == "question"
+  for i, q in enumerate(qres["index"]):
+    ids, m = rows[q][0], np.asarray(rows[q][1], bool)
+    assert 0 < m.sum() < len(ids) - 5  # the question is a strict part of the templated prompt
+    logp = log_probs(ids)
+    assert qres["question_nll"][i] == pytest.approx(-logp[1:][m[1:]].sum(), rel=1e-5)
+    assert qres["question_nll"][i] < -logp[1:].sum()
+
 
 @pytest.mark.slow
 def test_analyze_command_prints_the_correlations_and_writes_json_and_png(tmp_path):
