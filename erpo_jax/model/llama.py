@@ -331,6 +331,6 @@ def init_random(cfg: ModelConfig, *, seed: int = 0, dtype="float32", param_dtype
 
 
 def model_config_from_random_init(r) -> ModelConfig:
-  """ModelConfig from a `config.RandomInitConfig` section."""
+  """ModelConfig from a `config_model.RandomInitConfig` section."""
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   return ModelConfig(**{k: getattr(r, k) for k in fields if hasattr(r, k)})

@@ -41,6 +41,14 @@ _CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(_CACHE), "JAX_PERSISTENT_CACHE_MI
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def _child_env() -> dict[str, str]:
+  """The one-process run's environment: 4 CPU devices, the shared compilation cache, no cluster variables."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
+  env.update(_CACHE_ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  return env
+
+
 def _train_argv(run_dir) -> list[str]:
   return [sys.executable, "-m", "erpo_jax.cli", "train", "--config", TINY, f"run.dir={run_dir}", *OVERRIDES]
 
@@ -50,9 +58,7 @@ def runs(tmp_path_factory):
   """Trains the tiny model as 1 process x 4 devices and as 2 processes x 2 devices; returns the run folders."""
   root = tmp_path_factory.mktemp("multihost")
   one, two = root / "one_process", root / "two_processes"
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
-  env.update(_CACHE_ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  env = _child_env()
   t0 = time.monotonic()
   single = subprocess.run(_train_argv(one), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
@@ -215,9 +221,7 @@ def test_dynamic_sampling_on_two_processes_draws_the_rounds_and_logs_the_metrics
   # The random model earns no reward, so no group has spread: every step draws its one extra round on every
   # process (the collective agrees) and fills the batch with the dropped groups of round 0.
   extra = ("rollout.dynamic_sampling=true", "rollout.max_extra_rounds=1")
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
-  env.update(_CACHE_ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  env = _child_env()
   one, two = tmp_path / "one", tmp_path / "two"
   single = subprocess.run([*_train_argv(one), *extra], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)

@@ -18,6 +18,7 @@ from flax import nnx
 
 import tiny_runs
 from erpo_jax import config as config_lib
+from erpo_jax.config_model import RandomInitConfig
 from erpo_jax.errors import ConfigError, PathError, UserError
 from erpo_jax.model import logprobs
 from erpo_jax.model.io import export
@@ -310,7 +311,7 @@ def test_random_model_and_hf_folder_take_their_tokenizers(tmp_path, builtin_toke
   net2, tok2 = loading.load_model(config_lib.ModelSection(path=out, dtype="bfloat16"))
   assert tok2.fingerprint() == tok.fingerprint() and net2.dtype == jnp.bfloat16
   np.testing.assert_array_equal(net2.embed[...], net.embed[...])
-  small = config_lib.RandomInitConfig(vocab_size=256)  # does not cover the tokenizer's 49152 ids
+  small = RandomInitConfig(vocab_size=256)  # does not cover the tokenizer's 49152 ids
   with pytest.raises(ConfigError, match="model.random_init.vocab_size"):
     loading.load_model(config_lib.ModelSection(path="random", random_init=small))
 
