@@ -49,6 +49,28 @@ def _child_env() -> dict[str, str]:
   return env
 
 
+def _train_one_and_two_processes(one, two, extra: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+  """Trains into `one` as 1 process x 4 devices and into `two` as 2 processes x 2 devices; both must exit 0.
+
+  Returns the two processes' (exit code, output)."""
+  env = _child_env()
+  t0 = time.monotonic()
+  single = subprocess.run([*_train_argv(one), *extra], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+  t1 = time.monotonic()
+  assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
+  with pytest.MonkeyPatch.context() as mp:
+    for k, v in _CACHE_ENV.items():
+      mp.setenv(k, v)
+    mp.setenv("PYTHONPATH", env["PYTHONPATH"])
+    mp.chdir(REPO)
+    multi = multihost.run_local_processes([*_train_argv(two), *extra], 2, cpu_devices=2, timeout_s=RUN_TIMEOUT_S)
+  t2 = time.monotonic()
+  assert [rc for rc, _ in multi] == [0, 0], "\n----\n".join(out[-4000:] for _, out in multi)
+  print(f"\n1 process x 4 devices: {t1 - t0:.1f} s; 2 processes x 2 devices: {t2 - t1:.1f} s")
+  return multi
+
+
 def _train_argv(run_dir) -> list[str]:
   return [sys.executable, "-m", "erpo_jax.cli", "train", "--config", TINY, f"run.dir={run_dir}", *OVERRIDES]
 
@@ -58,21 +80,7 @@ def runs(tmp_path_factory):
   """Trains the tiny model as 1 process x 4 devices and as 2 processes x 2 devices; returns the run folders."""
   root = tmp_path_factory.mktemp("multihost")
   one, two = root / "one_process", root / "two_processes"
-  env = _child_env()
-  t0 = time.monotonic()
-  single = subprocess.run(_train_argv(one), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-  t1 = time.monotonic()
-  assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
-  with pytest.MonkeyPatch.context() as mp:
-    for k, v in _CACHE_ENV.items():
-      mp.setenv(k, v)
-    mp.setenv("PYTHONPATH", env["PYTHONPATH"])
-    mp.chdir(REPO)
-    multi = multihost.run_local_processes(_train_argv(two), 2, cpu_devices=2, timeout_s=RUN_TIMEOUT_S)
-  t2 = time.monotonic()
-  assert [rc for rc, _ in multi] == [0, 0], "\n----\n".join(out[-4000:] for _, out in multi)
-  print(f"\n1 process x 4 devices: {t1 - t0:.1f} s; 2 processes x 2 devices: {t2 - t1:.1f} s")
+  multi = _train_one_and_two_processes(one, two)
   return {"one": one, "two": two, "outputs": [out for _, out in multi]}
 
 
@@ -221,18 +229,8 @@ def test_dynamic_sampling_on_two_processes_draws_the_rounds_and_logs_the_metrics
   # The random model earns no reward, so no group has spread: every step draws its one extra round on every
   # process (the collective agrees) and fills the batch with the dropped groups of round 0.
   extra = ("rollout.dynamic_sampling=true", "rollout.max_extra_rounds=1")
-  env = _child_env()
   one, two = tmp_path / "one", tmp_path / "two"
-  single = subprocess.run([*_train_argv(one), *extra], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-  assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
-  with pytest.MonkeyPatch.context() as mp:
-    for k, v in _CACHE_ENV.items():
-      mp.setenv(k, v)
-    mp.setenv("PYTHONPATH", env["PYTHONPATH"])
-    mp.chdir(REPO)
-    multi = multihost.run_local_processes([*_train_argv(two), *extra], 2, cpu_devices=2, timeout_s=RUN_TIMEOUT_S)
-  assert [rc for rc, _ in multi] == [0, 0], "\n----\n".join(out[-4000:] for _, out in multi)
+  _train_one_and_two_processes(one, two, extra)
   a_rows, b_rows = _metrics(one), _metrics(two)
   assert len(a_rows) == len(b_rows) == STEPS
   for a, b in zip(a_rows, b_rows):
