@@ -120,10 +120,15 @@ def plan(cfg: Config) -> list[RunSpec]:
   return [RunSpec(v, s, run_config(cfg, v, s)) for s in cfg.experiment.seeds for v in cfg.experiment.variants]
 
 
+# Where a run and its reference cache live, not what it computes: a moved experiment folder is the same grid.
+LOCATION_KEYS = ("run.dir", "erpo.cache_dir")
+
+
 def config_diff(old: Config, new: Config) -> list[str]:
-  """'key: old -> new' for each field that differs, in field order."""
+  """'key: old -> new' for each field that differs, in field order (the LOCATION_KEYS left out)."""
   a, b = flatten(old.to_dict()), flatten(new.to_dict())
-  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b])) if a.get(k) != b.get(k)]
+  return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in list(dict.fromkeys([*a, *b]))
+          if a.get(k) != b.get(k) and k not in LOCATION_KEYS]
 
 
 def check_existing(spec: RunSpec) -> None:

@@ -9,7 +9,10 @@
 
 Rerunning skips what is done (a run with its final checkpoint, an eval or analysis
 with its JSON), resumes an interrupted run from its checkpoint, and refuses a run
-folder whose config.yaml differs from the run's config now.
+folder whose config.yaml differs from the run's config now. A run whose eval and
+analysis are done needs its checkpoint no more: the folder may be moved, or kept
+without checkpoints/ and cache/ (what docs/results/ holds), and still reports and
+resumes without training again.
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ def base_eval_path(cfg: Config) -> pathlib.Path:
 
 def base_analyze_dir(cfg: Config) -> pathlib.Path:
   return pathlib.Path(cfg.run.dir) / "analyze" / "base"
+
+
+def _trained(cfg: Config, analyze_num: int) -> bool:
+  """The final checkpoint is there, or everything made from it is (a run kept without its checkpoints)."""
+  if _final_step_dir(cfg) is not None:
+    return True
+  made = [pathlib.Path(cfg.run.dir) / METRICS_FILE, eval_path(cfg)]
+  if analyze_num:
+    made.append(analyze_dir(cfg) / JSON_NAME)
+  return all(p.is_file() for p in made)
 
 
 def _read_json(path: pathlib.Path) -> dict | None:
@@ -128,7 +141,7 @@ def _tasks(cfg: Config, specs: list[RunSpec]):
                                     title=report.BASE)))
   for s in specs:
     c = s.cfg
-    out.append((s.name, "train", _final_step_dir(c) is not None, lambda c=c: _train(c)))
+    out.append((s.name, "train", _trained(c, exp.analyze_num), lambda c=c: _train(c)))
     out.append((s.name, "eval", eval_path(c).is_file(),
                 lambda c=c: _evaluate(c, str(c.train.steps), eval_path(c))))
     if exp.analyze_num:

@@ -174,6 +174,24 @@ def test_a_changed_config_for_an_existing_run_folder_is_refused_with_exit_code_2
   assert "grpo-s0 was made with another config (optim.lr: 0.001 -> 0.0005)" in err[0]
 
 
+def test_a_finished_grid_moved_without_checkpoints_and_cache_reports_and_reruns_nothing(grid, tmp_path):
+  folder, _ = grid
+  assert experiment(folder).returncode == 0  # the grid is whole again after the tests above
+  moved = tmp_path / "published"
+  shutil.copytree(folder, moved, ignore=shutil.ignore_patterns("checkpoints", "cache"))
+  assert not list(moved.rglob("checkpoints"))
+  proc = experiment(moved)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert started(proc.stdout) == [] and proc.stdout.count("done before, skipped") == 14
+  assert json.loads((moved / "summary.json").read_text()) == json.loads((folder / "summary.json").read_text())
+  assert (moved / "report.md").read_text() == (folder / "report.md").read_text()
+  # A run missing its analysis (and its checkpoint) is trained again: nothing else could make the analysis.
+  shutil.rmtree(moved / "runs" / "grpo-s1" / "analyze")
+  proc = experiment(moved)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert started(proc.stdout) == ["grpo-s1 train", "grpo-s1 analyze"]
+
+
 # ----------------------------------------------------------------------------- analyze
 
 
