@@ -38,20 +38,21 @@ _NAMES = ("Tom", "Anna", "Ravi", "Mia", "Lena", "Omar", "Sara", "Ben", "Yuki", "
 _ITEMS = ("apples", "marbles", "stickers", "coins", "books", "shells")
 
 
-def _level1(rng: random.Random) -> tuple[str, int]:
-  a, b = rng.randint(1, 9), rng.randint(1, 9)
+def _add_or_subtract(rng: random.Random, lo: int, hi: int) -> tuple[str, int]:
+  """a + b or a - b (a >= b, never negative) with a, b in [lo, hi]."""
+  a, b = rng.randint(lo, hi), rng.randint(lo, hi)
   if rng.random() < 0.5:
     return rng.choice(_ADD).format(a=a, b=b), a + b
   a, b = max(a, b), min(a, b)
   return rng.choice(_SUB).format(a=a, b=b), a - b
+
+
+def _level1(rng: random.Random) -> tuple[str, int]:
+  return _add_or_subtract(rng, 1, 9)
 
 
 def _level2(rng: random.Random) -> tuple[str, int]:
-  a, b = rng.randint(10, 99), rng.randint(10, 99)
-  if rng.random() < 0.5:
-    return rng.choice(_ADD).format(a=a, b=b), a + b
-  a, b = max(a, b), min(a, b)
-  return rng.choice(_SUB).format(a=a, b=b), a - b
+  return _add_or_subtract(rng, 10, 99)
 
 
 def _level3(rng: random.Random) -> tuple[str, int]:

@@ -33,6 +33,13 @@ _SPAN_TAIL_CHARS = 2048  # math spans are looked for in this much of the end of 
 _MAX_BOXES = 64  # boxes read from one response
 
 
+def _skip_spaces(text: str, j: int) -> int:
+  """The index of the first character at or after j that is not a space."""
+  while j < len(text) and text[j] == " ":
+    j += 1
+  return j
+
+
 def _match_braces(text: str, start: int) -> str | None:
   """Contents of the {...} group opening at text[start], or None (unbalanced/too deep/too long)."""
   depth = 0
@@ -58,9 +65,7 @@ def last_boxed(text: str) -> str | None:
     k = max(b, f)
     if k < 0:
       return None
-    j = k + (6 if k == b else 5)
-    while j < len(text) and text[j] == " ":
-      j += 1
+    j = _skip_spaces(text, k + (6 if k == b else 5))
     if j < len(text) and text[j] == "{":
       inner = _match_braces(text, j)
       if inner is not None:
@@ -77,9 +82,7 @@ def all_boxed(text: str) -> list[str]:
   """Contents of every complete `\\boxed{...}` / `\\fbox{...}` in order (at most _MAX_BOXES, the last ones)."""
   found = []
   for m in re.finditer(r"\\(?:boxed|fbox)", text):
-    j = m.end()
-    while j < len(text) and text[j] == " ":
-      j += 1
+    j = _skip_spaces(text, m.end())
     if j < len(text) and text[j] == "{":
       inner = _match_braces(text, j)
       if inner is not None:
@@ -181,9 +184,7 @@ def is_pathological(answer: str) -> bool:
       return True
   s = answer.replace("**", "^")
   for m in re.finditer(r"\^", s):
-    j = m.end()
-    while j < len(s) and s[j] == " ":
-      j += 1
+    j = _skip_spaces(s, m.end())
     if j < len(s) and s[j] == "{":
       exponent = _match_braces(s, j)
       if exponent is None:
