@@ -1,13 +1,18 @@
-"""`erpo-jax` with faults injected through erpo_jax.train.loop.Hooks: python tests/fault_train.py --nan-step K ARGS...
+"""`erpo-jax` with faults injected through erpo_jax.train.loop.Hooks: python tests/fault_train.py OPTIONS ARGS...
 
 --nan-step K multiplies the rewards of step K by NaN, so the real update of that
-step sees a non-finite loss. The remaining arguments go to the erpo-jax CLI.
+step sees a non-finite loss. --hold-step K --release FILE makes step K wait, after
+its rollout is scored, until FILE exists (a trainer held in the middle of its run,
+whatever the machine's speed; the run's numbers are unchanged). The remaining
+arguments go to the erpo-jax CLI.
 """
 
 import argparse
 import dataclasses
 import functools
+import pathlib
 import sys
+import time
 
 import numpy as np
 
@@ -21,9 +26,21 @@ def nan_rewards_at(step: int) -> loop.Hooks:
   return loop.Hooks(scored=scored)
 
 
+def hold_at(step: int, release: str, timeout_s: float = 600.0) -> loop.Hooks:
+  def scored(k, result):
+    deadline = time.monotonic() + timeout_s
+    while k == step and not pathlib.Path(release).exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    return result
+  return loop.Hooks(scored=scored)
+
+
 if __name__ == "__main__":
   parser = argparse.ArgumentParser()
-  parser.add_argument("--nan-step", type=int, required=True)
+  parser.add_argument("--nan-step", type=int)
+  parser.add_argument("--hold-step", type=int)
+  parser.add_argument("--release")
   args, rest = parser.parse_known_args()
-  loop.train = functools.partial(loop.train, hooks=nan_rewards_at(args.nan_step))
+  hooks = nan_rewards_at(args.nan_step) if args.nan_step is not None else hold_at(args.hold_step, args.release)
+  loop.train = functools.partial(loop.train, hooks=hooks)
   sys.exit(cli.main(rest))

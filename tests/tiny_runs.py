@@ -45,10 +45,15 @@ def child_env(**extra: str) -> dict[str, str]:
   return env
 
 
-def train_cmd(run_dir, *overrides: str, config: str = TINY, nan_step: int | None = None) -> list[str]:
-  """`erpo-jax train` on the tiny config; with nan_step, through tests/fault_train.py (NaN rewards at that step)."""
-  entry = ["-m", "erpo_jax.cli"] if nan_step is None else [str(REPO / "tests" / "fault_train.py"),
-                                                          "--nan-step", str(nan_step)]
+def train_cmd(run_dir, *overrides: str, config: str = TINY, nan_step: int | None = None,
+              hold: tuple[int, pathlib.Path] | None = None) -> list[str]:
+  """`erpo-jax train` on the tiny config; with nan_step (NaN rewards at that step) or hold = (step, release file:
+  that step waits until the file exists), through tests/fault_train.py."""
+  entry = ["-m", "erpo_jax.cli"]
+  if nan_step is not None:
+    entry = [str(REPO / "tests" / "fault_train.py"), "--nan-step", str(nan_step)]
+  elif hold is not None:
+    entry = [str(REPO / "tests" / "fault_train.py"), "--hold-step", str(hold[0]), "--release", str(hold[1])]
   return [sys.executable, *entry, "train", "--config", config, f"run.dir={run_dir}", *BASE, *overrides]
 
 
@@ -62,14 +67,15 @@ def run_train(run_dir, *overrides: str, env: dict | None = None, timeout: float 
 class Training:
   """A training subprocess whose stdout/stderr go to files beside (not inside) the run folder."""
 
-  def __init__(self, run_dir, *overrides: str, env: dict | None = None, **kw):
+  def __init__(self, run_dir, *overrides: str, env: dict | None = None, hold: tuple[int, pathlib.Path] | None = None,
+               **kw):
     self.run_dir = pathlib.Path(run_dir)
     logs = self.run_dir.parent / f"{self.run_dir.name}-logs"
     logs.mkdir(exist_ok=True)
     n = len(list(logs.glob("*.out")))
     self.out_path, self.err_path = logs / f"{n}.out", logs / f"{n}.err"
     with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-      self.proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=REPO, env=env or child_env(), stdout=out,
+      self.proc = subprocess.Popen(train_cmd(run_dir, *overrides, hold=hold), cwd=REPO, env=env or child_env(), stdout=out,
                                    stderr=err, **kw)
 
   def wait_for(self, condition, timeout: float = RUN_TIMEOUT_S, poll_s: float = 0.002) -> bool:

@@ -80,10 +80,11 @@ def test_a_resume_with_another_learning_rate_is_taken_and_said(finished):
 @pytest.mark.slow
 def test_two_trainers_started_on_one_run_dir_end_as_one_uninterrupted_run(tmp_path):
   tiny_runs.reference_run()
-  run = tmp_path / "run"
-  first = Training(run)
+  run, release = tmp_path / "run", tmp_path / "release"
+  first = Training(run, hold=(2, release))  # step 2 waits for the release file: the second starts mid-run
   assert first.wait_for(lambda: 1 in tiny_runs.metrics_steps(run)), first.stderr()[-3000:]
   second = tiny_runs.run_train(run, timeout=120)
+  release.touch()
   line = _one_error_line(second)
   assert f"pid {first.proc.pid}" in line, line
   assert first.wait() == 0, first.stderr()[-3000:]
