@@ -255,10 +255,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 class _OrbaxErrorLogs(logging.Filter):
-  """Orbax's error logs: a traceback from each thread of a failed checkpoint write."""
+  """Orbax's error logs (a traceback from each thread of a failed checkpoint write) and its warning that an
+  item folder (params/) has no _CHECKPOINT_METADATA of its own, which every restore of one item prints
+  although the checkpoint's metadata is one level up."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and "orbax" in f"{record.pathname} {record.getMessage()}")
+    message = record.getMessage()
+    if record.levelno == logging.WARNING and message.startswith("Metadata file does not exist"):
+      return False
+    return not (record.levelno >= logging.ERROR and "orbax" in f"{record.pathname} {message}")
 
 
 def _report_checkpoint_write_errors_once() -> None:

@@ -158,3 +158,14 @@ def test_an_unreadable_data_file_and_a_read_only_run_dir_are_one_line(folder, tm
     _check(proc, ["eval results cannot be written", "--out"], str)
   finally:
     run.chmod(0o755)
+
+
+def test_eval_of_a_checkpoint_prints_results_and_nothing_on_stderr(tmp_path):
+  run = tmp_path / "run"
+  shutil.copytree(tiny_runs.reference_run(), run)
+  argv = [sys.executable, "-m", "erpo_jax.cli", "eval", "--config", tiny_runs.TINY, f"run.dir={run}",
+          *tiny_runs.BASE, "--checkpoint", "latest", "eval.max_problems=2", "eval.temperatures=[1.0]"]
+  proc = subprocess.run(argv, cwd=tiny_runs.REPO, env=tiny_runs.child_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+  assert "eval results:" in proc.stdout
