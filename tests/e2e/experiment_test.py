@@ -142,19 +142,22 @@ def test_a_rerun_redoes_a_deleted_run_and_eval_and_resumes_a_run_from_its_checkp
   folder, _ = grid
   shutil.rmtree(folder / "runs" / "grpo-s1")
   (folder / "runs" / "erpo_static-s0" / "eval" / "eval_step3.json").unlink()
-  shutil.rmtree(folder / "runs" / "erpo_static-s1" / "checkpoints" / "3")  # as if stopped after step 2
+  stopped = folder / "runs" / "erpo_static-s1"  # as if stopped after step 2: no step-3 checkpoint, eval or analysis
+  shutil.rmtree(stopped / "checkpoints" / "3")
+  shutil.rmtree(stopped / "eval")
+  shutil.rmtree(stopped / "analyze")
   kept = {"grpo-s0": tree_hashes(folder / "runs" / "grpo-s0")}
   # --report-only reports what is there and runs nothing.
   partial = experiment(folder, "--report-only")
   assert partial.returncode == 0, partial.stderr[-3000:]
   assert started(partial.stdout) == [] and not (folder / "runs" / "grpo-s1").exists()
   text = (folder / "report.md").read_text()
-  assert "Not yet evaluated: erpo_static-s0, grpo-s1." in text and "| grpo | 1 |" in text, text
+  assert "Not yet evaluated: erpo_static-s0, grpo-s1, erpo_static-s1." in text and "| grpo | 1 |" in text, text
   proc = experiment(folder)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert started(proc.stdout) == ["erpo_static-s0 eval", "grpo-s1 train", "grpo-s1 eval", "grpo-s1 analyze",
-                                  "erpo_static-s1 train"]
-  assert proc.stdout.count("done before, skipped") == 14 - 5
+                                  "erpo_static-s1 train", "erpo_static-s1 eval", "erpo_static-s1 analyze"]
+  assert proc.stdout.count("done before, skipped") == 14 - 7
   assert {r: tree_hashes(folder / "runs" / r) for r in kept} == kept  # untouched
   assert f"resumed from {folder / 'runs' / 'erpo_static-s1'}/checkpoints at step 2" in proc.stdout + proc.stderr
   for run in ("grpo-s1", "erpo_static-s1"):
