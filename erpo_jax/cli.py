@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 
+from erpo_jax.cli_types import positive_float, positive_int, step_variants, temperature
 from erpo_jax.errors import NonFiniteError, UserError
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -52,43 +53,6 @@ def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _positive_int(text: str) -> int:
-  try:
-    v = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-  return v
-
-
-def _positive_float(text: str) -> float:
-  try:
-    v = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-  if not 0 < v < float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
-  return v
-
-
-def _step_variants(text: str) -> str:
-  letters = text.replace(",", "")
-  if not letters or any(c not in "abcd" for c in letters):
-    raise argparse.ArgumentTypeError(f"expected letters of abcd (e.g. c or a,c), got {text!r}")
-  return "".join(sorted(set(letters)))
-
-
-def _temperature(text: str) -> float:
-  try:
-    v = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-  if not 0 <= v < float("inf"):
-    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), got {text!r}")
-  return v
-
-
 def _os_error_text(e: OSError) -> str:
   what = f"'{e.filename}'" if e.filename else "a file"
   if e.filename2:
@@ -122,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("sample", help="generate a completion for one prompt")
   _add_common(p)
   p.add_argument("--prompt", required=True, help="user message; wrapped in the chat template")
-  p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-  p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
-  p.add_argument("--num", type=_positive_int, default=1, help="number of samples")
+  p.add_argument("--max-new-tokens", type=positive_int, default=64)
+  p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+  p.add_argument("--num", type=positive_int, default=1, help="number of samples")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--checkpoint", default=None, help="a checkpoint folder or 'latest' of run.dir")
 
@@ -144,20 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(BENCH_WHAT) + "}",
                  help="what to measure (default: all)")
   _add_common(p)
-  p.add_argument("--iters", type=_positive_int, default=None, help="timed iterations (median reported)")
+  p.add_argument("--iters", type=positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
   p.add_argument("--against", default=None, metavar="FILE",
                  help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE), "
                       "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
   p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
-  p.add_argument("--variants", type=_step_variants, default="abcd",
+  p.add_argument("--variants", type=step_variants, default="abcd",
                  help="step: which update variants to time, letters of abcd (default: all four)")
   p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
                  help="step: time each variant with model.shared_prefix on, off or both (default: both)")
-  p.add_argument("--peak-flops", type=_positive_float, default=None, metavar="FLOP/S",
+  p.add_argument("--peak-flops", type=positive_float, default=None, metavar="FLOP/S",
                  help="the device's data-sheet dense bfloat16 FLOP/s, for the MFU (known: NVIDIA H100/H200/A100, "
                       "TPU v4/v5/v6e)")
-  p.add_argument("--peak-bandwidth", type=_positive_float, default=None, metavar="BYTES/S",
+  p.add_argument("--peak-bandwidth", type=positive_float, default=None, metavar="BYTES/S",
                  help="the device's data-sheet memory bandwidth, for the decode floor (known: as --peak-flops)")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")

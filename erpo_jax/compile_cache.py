@@ -88,7 +88,7 @@ def _listen() -> None:
   global _listening
   if _listening:
     return
-  from jax import monitoring
+  from jax import monitoring  # importing jax here keeps `import erpo_jax.compile_cache` light for the CLI
 
   names = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
            "/jax/compilation_cache/cache_hits": "hits",

@@ -40,6 +40,7 @@ import tempfile
 from typing import Any
 
 from erpo_jax.bench import machine
+from erpo_jax.bench.floors import with_decode_floors, with_spec_peaks, with_utilisation
 from erpo_jax.bench import peer as bench_peer
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
@@ -123,84 +124,6 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
       rec.update({"peak_rss_bytes": mem["peak_rss_bytes"], "peak_device_bytes": mem["peak_device_bytes"],
                   "alone_first_call_s": mem["first_call_s"], "alone_load_avg": mem["load_avg_end"]})
     yield rec
-
-
-# ----------------------------------------------------------------------------- derived figures
-
-
-def peak_for(rec: dict[str, Any], device: dict[str, Any]) -> tuple[float | None, str]:
-  """(matmul FLOP/s of the record's compute dtype, where it was measured).
-
-  The larger of the device line's figure and the one taken in the record's own
-  process: on a shared host a sub-second probe can catch a busy moment, and a
-  peak is the best the device was seen to do.
-  """
-  seen = {"device line": device.get(f"peak_flops_per_s_{rec.get('dtype', 'float32')}"),
-          "same process, after the timed runs": rec.get("local_peak_flops_per_s")}
-  seen = {k: v for k, v in seen.items() if v}
-  if not seen:
-    return None, "none"
-  source = max(seen, key=seen.get)
-  return seen[source], source
-
-
-def with_spec_peaks(device: dict[str, Any], *, peak_flops: float | None = None,
-                    peak_bandwidth: float | None = None) -> dict[str, Any]:
-  """The device line with the data-sheet peaks of its device_kind (bench/machine.py), or those given.
-
-  spec_flops_per_s: dense bfloat16 matmul FLOP/s; spec_bytes_per_s: memory
-  (HBM) bandwidth. None where neither the table nor the options know them (CPUs).
-  """
-  spec = machine.spec_peaks(device.get("device_kind") or "")
-  device["spec_flops_per_s"] = peak_flops or spec.get("bfloat16_flops_per_s")
-  device["spec_bytes_per_s"] = peak_bandwidth or spec.get("hbm_bytes_per_s")
-  return device
-
-
-def with_utilisation(rec: dict[str, Any], device: dict[str, Any], rate_key: str, out_key: str) -> None:
-  """rec[out_key] = rec[rate_key] / matmul peak of the compute dtype (measured); and the MFU.
-
-  The MFU (out_key with "utilisation" -> "mfu") is over the device's
-  data-sheet dense bfloat16 peak, whatever the compute dtype.
-  """
-  peak, source = peak_for(rec, device)
-  rate = rec.get(rate_key)
-  if peak and rate is not None:
-    rec["peak_flops_per_s"] = peak
-    rec["peak_source"] = source
-    rec[out_key] = rate / peak
-  spec = device.get("spec_flops_per_s")
-  if spec and rate is not None:
-    rec["spec_flops_per_s"] = spec
-    rec[out_key.replace("utilisation", "mfu")] = rate / spec
-
-
-def with_decode_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
-  """Floors of one decode step: bytes it must read / read bandwidth, and its FLOPs / matmul peak.
-
-  bytes = parameter bytes + keys and values of the valid context (mean prompt
-  length + M/2); fraction = floor / measured step time (1 = at the floor).
-  The bandwidth is the larger of the device line's and the record's own process's.
-  """
-  bw = max(rec.get("local_read_bytes_per_s") or 0.0, device.get("read_bytes_per_s") or 0.0)
-  step_s = rec.get("decode_step_s")
-  if not bw or not step_s or step_s <= 0:
-    return
-  floor_bw = (rec["param_bytes"] + rec["kv_bytes_per_step"]) / bw
-  rec["read_bytes_per_s"] = bw
-  rec["decode_bandwidth_floor_s"] = floor_bw
-  rec["decode_bandwidth_fraction"] = floor_bw / step_s
-  peak, _ = peak_for(rec, device)
-  if peak:
-    floor_c = rec["decode_step_flops"] / peak
-    rec["decode_compute_floor_s"] = floor_c
-    rec["decode_roofline_fraction"] = max(floor_bw, floor_c) / step_s
-  spec_bw = device.get("spec_bytes_per_s")
-  if spec_bw:  # the same bytes over the data-sheet bandwidth (HBM)
-    floor_spec = (rec["param_bytes"] + rec["kv_bytes_per_step"]) / spec_bw
-    rec["spec_bytes_per_s"] = spec_bw
-    rec["decode_spec_bandwidth_floor_s"] = floor_spec
-    rec["decode_spec_bandwidth_fraction"] = floor_spec / step_s
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import signal
 import time
@@ -27,7 +26,7 @@ from erpo_jax.config_io import dump_config
 from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
-from erpo_jax.errors import ConfigError, NonFiniteError, PathError, write_error
+from erpo_jax.errors import ConfigError, NonFiniteError
 from erpo_jax.eval.evaluate import eval_during_training
 from erpo_jax.metrics import MetricsWriter, truncate_jsonl
 from erpo_jax.model.io.loading import load_model, load_tokenizer
@@ -41,34 +40,10 @@ from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
 from erpo_jax.train.checkpoint_io import all_finite
-from erpo_jax.train.run_folder import RunLock, check_resume_config
+from erpo_jax.train.run_folder import RunLock, check_resume_config, prepare_run_dir, write_config
 
 
-# ----------------------------------------------------------------------------- run folder
-
-
-def prepare_run_dir(cfg: Config) -> pathlib.Path:
-  """Creates <run.dir> (or checks an existing one is writable) without touching what is in it."""
-  run_dir = pathlib.Path(cfg.run.dir)
-  try:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    probe = run_dir / f".write-test-{os.getpid()}"
-    probe.write_text("ok")
-    probe.unlink()
-  except OSError as e:
-    raise PathError(f"run.dir '{run_dir}' is not a writable folder ({e.strerror or e}); "
-                    f"give run.dir=<a folder you can write>") from None
-  return run_dir
-
-
-def write_config(run_dir: pathlib.Path, cfg: Config) -> None:
-  tmp = run_dir / "config.yaml.tmp"
-  try:
-    tmp.write_text(dump_config(cfg))
-    os.replace(tmp, run_dir / "config.yaml")
-  except OSError as e:
-    tmp.unlink(missing_ok=True)
-    raise write_error(run_dir / "config.yaml", e) from None
+# ----------------------------------------------------------------------------- preemption
 
 
 class _Preemption:

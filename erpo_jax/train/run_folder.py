@@ -1,4 +1,4 @@
-"""What guards a run folder: one trainer at a time (run.lock), and a resume with the config the run has.
+"""What guards a run folder: a writable folder, its config.yaml, one trainer at a time (run.lock), and a resume with the config the run has.
 
 The lock is an exclusive `flock` on `<run.dir>/run.lock`, which holds the
 holder's pid, host and start time; the kernel drops it when the process ends,
@@ -22,10 +22,36 @@ import os
 import pathlib
 import socket
 
-from erpo_jax.config_io import flatten, safe_yaml
-from erpo_jax.errors import PathError, UserError
+from erpo_jax.config import Config
+from erpo_jax.config_io import dump_config, flatten, safe_yaml
+from erpo_jax.errors import PathError, UserError, write_error
 
 LOCK_FILE = "run.lock"
+
+
+def prepare_run_dir(cfg: Config) -> pathlib.Path:
+  """Creates <run.dir> (or checks an existing one is writable) without touching what is in it."""
+  run_dir = pathlib.Path(cfg.run.dir)
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    probe = run_dir / f".write-test-{os.getpid()}"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise PathError(f"run.dir '{run_dir}' is not a writable folder ({e.strerror or e}); "
+                    f"give run.dir=<a folder you can write>") from None
+  return run_dir
+
+
+def write_config(run_dir: pathlib.Path, cfg: Config) -> None:
+  tmp = run_dir / "config.yaml.tmp"
+  try:
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
+  except OSError as e:
+    tmp.unlink(missing_ok=True)
+    raise write_error(run_dir / "config.yaml", e) from None
+
 
 # Config keys (or whole sections) whose change makes a resumed run a different run.
 RUN_DEFINING = (

@@ -12,6 +12,7 @@ import pytest
 import tiny_runs
 from erpo_jax.bench import run as bench_run
 from erpo_jax.bench import flops as bench_flops
+from erpo_jax.bench import floors as bench_floors
 from erpo_jax.bench import rl as bench_rl
 from erpo_jax.bench import step as bench_step
 from erpo_jax.bench.rollout import NoStopTokens
@@ -172,26 +173,26 @@ def test_cli_bench_step_exits_0_with_json_lines_on_stdout():
 
 
 def test_mfu_is_flops_per_s_over_the_data_sheet_bf16_peak_of_the_device_kind():
-  device = bench_run.with_spec_peaks({"device_kind": "NVIDIA H200", "peak_flops_per_s_bfloat16": 700e12})
+  device = bench_floors.with_spec_peaks({"device_kind": "NVIDIA H200", "peak_flops_per_s_bfloat16": 700e12})
   assert (device["spec_flops_per_s"], device["spec_bytes_per_s"]) == (989e12, 4.8e12)
   rec = {"dtype": "bfloat16", "flops_per_s": 494.5e12}
-  bench_run.with_utilisation(rec, device, "flops_per_s", "utilisation")
+  bench_floors.with_utilisation(rec, device, "flops_per_s", "utilisation")
   # 494.5 / 989 = 0.5 of the data sheet; 494.5 / 700 of the measured matmul peak.
   assert rec["mfu"] == pytest.approx(0.5) and rec["utilisation"] == pytest.approx(494.5 / 700)
   # An unknown device has no data-sheet peak unless given; a CPU gets no MFU.
-  assert bench_run.with_spec_peaks({"device_kind": "cpu"})["spec_flops_per_s"] is None
-  given = bench_run.with_spec_peaks({"device_kind": "Some GPU"}, peak_flops=2e14, peak_bandwidth=1e12)
+  assert bench_floors.with_spec_peaks({"device_kind": "cpu"})["spec_flops_per_s"] is None
+  given = bench_floors.with_spec_peaks({"device_kind": "Some GPU"}, peak_flops=2e14, peak_bandwidth=1e12)
   assert (given["spec_flops_per_s"], given["spec_bytes_per_s"]) == (2e14, 1e12)
   cpu = {"dtype": "float32", "flops_per_s": 1e9}
-  bench_run.with_utilisation(cpu, bench_run.with_spec_peaks({"device_kind": "cpu"}), "flops_per_s", "utilisation")
+  bench_floors.with_utilisation(cpu, bench_floors.with_spec_peaks({"device_kind": "cpu"}), "flops_per_s", "utilisation")
   assert "mfu" not in cpu
 
 
 def test_decode_is_compared_with_the_data_sheet_bandwidth_floor():
-  device = bench_run.with_spec_peaks({"device_kind": "NVIDIA H200 NVL", "read_bytes_per_s": 4.0e12})
+  device = bench_floors.with_spec_peaks({"device_kind": "NVIDIA H200 NVL", "read_bytes_per_s": 4.0e12})
   assert device["spec_flops_per_s"] == 835e12  # the longest matching name wins over "NVIDIA H200"
   rec = {"decode_step_s": 5e-3, "param_bytes": 2.0e9, "kv_bytes_per_step": 0.4e9, "decode_step_flops": 1e11}
-  bench_run.with_decode_floors(rec, device)
+  bench_floors.with_decode_floors(rec, device)
   # (2.0 + 0.4) GB / 4.8 TB/s = 0.5 ms: a 5 ms token step is 10% of the floor; measured 4.0 TB/s: 0.6 ms, 12%.
   assert rec["decode_spec_bandwidth_floor_s"] == pytest.approx(0.5e-3)
   assert rec["decode_spec_bandwidth_fraction"] == pytest.approx(0.1)
