@@ -93,7 +93,9 @@ def test_step_loss_equals_erpo_loss_on_separate_log_probs(weights, kl_on, advant
   batch = make_batch()
   want = expected_loss(cfg, graphdef, params, ref_params, batch)
   _, _, metrics = step(params, opt_state, ref_params, batch)
-  assert float(metrics["loss/total"]) == pytest.approx(want, rel=1e-6, abs=1e-6)  # float32: ~4 ulp
+  # float32, summed in another order (shared prefix, packing); the prompt k3 terms, exp(ref - logp) with
+  # ref down to -5, scale a log-prob's rounding up to ~150x: CPUs differ by ~1e-6 relative (AVX2 vs AVX-512).
+  assert float(metrics["loss/total"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
   assert float(metrics["optim/finite"]) == 1.0
 
 
