@@ -9,14 +9,35 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import typing
 
 import matplotlib
 
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # pylint: disable=wrong-import-position
 
+from erpo_jax.config_run import VariantName  # pylint: disable=wrong-import-position
+from erpo_jax.experiment.report import BASE  # pylint: disable=wrong-import-position
+
 SIZE = (6.0, 3.6)  # inches; at DPI 100: 600 x 360 pixels
 DPI = 100
+BASE_COLOR = "0.45"  # the untrained model: grey in every plot
+_PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+            "tab:cyan")
+_VARIANT_ORDER = typing.get_args(VariantName)
+
+
+def color(label: str) -> str:
+  """The colour of the model a label names ('grpo', 'grpo-s0', 'grpo Query-KL'): the same in every plot and report.
+
+  Each variant has its own colour, by its place among all variants (not in this grid), so a
+  variant keeps its colour whatever the grid holds; other labels take the palette's last colour.
+  """
+  name = label.split(" ")[0].rsplit("-s", 1)[0]
+  if name == BASE:
+    return BASE_COLOR
+  i = _VARIANT_ORDER.index(name) if name in _VARIANT_ORDER else len(_PALETTE) - 1
+  return _PALETTE[i % len(_PALETTE)]
 
 
 def _label(ax, title: str, xlabel: str, ylabel: str, *, legend: bool, **legend_kw) -> None:
@@ -51,7 +72,8 @@ def step_plot(path, series: dict[str, tuple[list[int], list[float]]], *, title: 
   ax = fig.add_subplot()
   for label, (steps, values) in series.items():
     xs, ys = _finite(steps, values, positive=logy)
-    ax.plot(xs, ys, label=label, linewidth=1.5, marker="o" if len(xs) <= 20 else None, markersize=3)
+    ax.plot(xs, ys, label=label, color=color(label), linewidth=1.5, marker="o" if len(xs) <= 20 else None,
+            markersize=3)
   if logy:
     ax.set_yscale("log")
   _label(ax, title, "step", ylabel, legend=bool(series), fontsize="small")
@@ -65,10 +87,9 @@ def kl_pair_plot(path, query: dict[str, tuple[list[int], list[float]]],
   """Query-KL (solid) and Policy-KL (dashed) of each variant on one log-scale axis."""
   fig = Figure(figsize=SIZE)
   ax = fig.add_subplot()
-  colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
   series = {}
-  for i, label in enumerate(dict.fromkeys([*query, *policy])):
-    c = colors[i % len(colors)]
+  for label in dict.fromkeys([*query, *policy]):
+    c = color(label)
     for kind, src, style in (("Query-KL", query, "-"), ("Policy-KL", policy, "--")):
       if label in src:
         xs, ys = _finite(*src[label], positive=True)
@@ -89,7 +110,7 @@ def temperature_plot(path, series: dict[str, dict[str, list[float]]], *, k: int)
     top = 0.0
     for label, s in series.items():
       xs, ys = _finite(s["x"], [100 * v for v in s[key]])
-      ax.plot(xs, ys, label=label, marker="o", markersize=3, linewidth=1.5)
+      ax.plot(xs, ys, label=label, color=color(label), marker="o", markersize=3, linewidth=1.5)
       top = max([top, *ys])
     ax.set_ylim(0, min(100.0, top * 1.15 + 1.0))
     _label(ax, f"{name} against sampling temperature", "temperature", f"{name} (%)", legend=bool(series),
@@ -105,7 +126,7 @@ def nll_scatter(path, results: dict[str, dict]) -> dict:
   ax = fig.add_subplot()
   series = {}
   for label, r in results.items():
-    ax.scatter(r["question_nll"], r["response_nll"], s=10, alpha=0.7,
+    ax.scatter(r["question_nll"], r["response_nll"], s=10, alpha=0.7, color=color(label),
                label=f"{label} (r={r['pearson']:.2f}, rho={r['spearman']:.2f})")
     series[label] = {"x": list(r["question_nll"]), "y": list(r["response_nll"]), "pearson": r["pearson"],
                      "spearman": r["spearman"]}
