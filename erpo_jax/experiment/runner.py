@@ -211,14 +211,16 @@ def write_partial_report(cfg: Config) -> pathlib.Path:
 
 
 def load_runs(specs: list[RunSpec]) -> list[report.RunData]:
-  """What each run left on disk (runs without metrics are left out)."""
+  """What each finished run left on disk: a run still training (or stopped) before its last step is left out,
+  so that no table or plot mixes its figures so far with final ones."""
 
   out = []
   for s in specs:
     metrics = s.dir / METRICS_FILE
-    if not metrics.is_file():
+    rows = read_jsonl(metrics) if metrics.is_file() else []
+    if not rows or max(r.get("step", 0) for r in rows) < s.cfg.train.steps:
       continue
-    out.append(report.RunData(s.variant, s.seed, read_jsonl(metrics), _read_json(eval_path(s.cfg)),
+    out.append(report.RunData(s.variant, s.seed, rows, _read_json(eval_path(s.cfg)),
                               _read_json(analyze_dir(s.cfg) / JSON_NAME)))
   return out
 

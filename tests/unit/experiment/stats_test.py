@@ -215,3 +215,16 @@ def test_a_run_that_stops_before_its_last_step_stops_the_experiment(tmp_path, mo
       "experiment [1/8] grpo-s0 train: started; time left not known yet",
       "experiment [1/8] grpo-s0 train: stopped before its last step; run the same command to resume"]
   assert not (tmp_path / "report.md").exists()
+
+
+def test_a_run_still_training_is_left_out_of_the_report_until_its_last_step(tmp_path):
+  cfg = load_config("configs/ablation_tiny.yaml", [f"experiment.dir={tmp_path}"])
+  specs = grid.plan(cfg)
+  assert cfg.train.steps == 3
+  for spec, steps in zip(specs, (3, 2)):  # grpo-s0 finished, erpo_static-s0 stopped after step 2
+    spec.dir.mkdir(parents=True)
+    (spec.dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "reward/mean": 0.1 * i}) + "\n" for i in range(1, steps + 1)))
+  runs = runner.load_runs(specs)
+  assert [(r.variant, r.seed) for r in runs] == [("grpo", 0)]
+  assert [m["step"] for m in runs[0].rows] == [1, 2, 3]
