@@ -58,7 +58,7 @@ class ModelSection:
   # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
   # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
   shared_prefix: bool = True
-  # With shared_prefix, one batch shard and one minibatch: responses packed end to end, no padding.
+  # With shared_prefix and one minibatch: responses packed end to end, no padding (one stream per batch shard).
   pack_responses: bool = True
 
   def __post_init__(self):

@@ -22,12 +22,14 @@ log-probs equal those the step would compute.
 Three layouts give the same values and differ only in the work done:
 plain (every row runs its whole sequence), shared prefix (each group's prompt
 once: [B, P] + [N, R] tokens) and packed (shared prefix with the responses laid
-end to end in C slots). `choose_layout` picks the cheapest one that applies.
+end to end in C slots, in one stream per batch shard). `choose_layout` picks
+the cheapest one that applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,24 +45,37 @@ class Layout:
   group_size: int = 0  # G; 0 = plain rows
   prompt_bucket: int = 0  # P: every prompt_len <= P
   response_bucket: int = 0  # R: every response within R tokens
-  capacity: int = 0  # C: packed response slots; 0 = not packed
+  capacity: int = 0  # C: packed response slots of each stream; 0 = not packed
+  streams: int = 1  # packed streams: stream i packs rows i*N/streams .. (i+1)*N/streams - 1 (whole groups)
 
 
 PLAIN = Layout()
 
 
+def packed_streams(groups: int, batch_shards: int) -> int:
+  """How many packed streams a batch of `groups` prompts splits into on `batch_shards` batch shards: one per
+  shard, each packing that shard's whole groups, or 0 (no packing) when the groups do not split evenly.
+
+  (A stream that spans several shards, or a shard that holds part of a stream, leaves XLA to move the
+  stream between devices; with jaxlib 0.10's partitioner it also failed to compile on a data x fsdp x tensor mesh.)
+  """
+  return batch_shards if batch_shards >= 1 and groups % batch_shards == 0 else 0
+
+
 def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, response_bucket: int,
-                  capacity: int | None = None, shared: bool = True) -> Layout:
+                  capacity: int | None = None, streams: int = 1, shared: bool = True) -> Layout:
   """The cheapest layout for N rows of length S.
 
   Shared prefix needs whole groups and pays off when [B, P] + [N, R] holds
-  fewer tokens than [N, S]; packing needs a capacity below N * R.
+  fewer tokens than [N, S]; packing into `streams` streams of `capacity` slots
+  each needs whole groups per stream and a capacity below (N / streams) * R;
+  streams = 0 means no packing.
   """
   G, P, R = group_size, min(prompt_bucket, S), min(response_bucket, S)
   if not shared or G < 1 or N % G:
     return PLAIN
-  if capacity is not None and capacity < N * R:
-    return Layout(G, P, R, capacity)
+  if capacity is not None and streams > 0 and (N // G) % streams == 0 and capacity < (N // streams) * R:
+    return Layout(G, P, R, capacity, streams)
   if (N // G) * P + N * R < N * S:
     return Layout(G, P, R)
   return PLAIN
@@ -82,15 +97,29 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
     logp, entropy = _plain(model, tokens_NxS, prompt_len_N, temperature=temperature, chunk=chunk,
                            with_entropy=with_entropy)
   elif layout.capacity:
-    logp, entropy = shared_prefix.packed_log_probs(
-        model, tokens_NxS, prompt_len_N, response_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
-        response_bucket=layout.response_bucket, capacity=layout.capacity, chunk=chunk, temperature=temperature,
-        with_entropy=with_entropy)
+    logp, entropy = _packed(model, tokens_NxS, prompt_len_N, response_len_N, layout, temperature=temperature,
+                            chunk=chunk, with_entropy=with_entropy)
   else:
     logp, entropy = shared_prefix.shared_prefix_log_probs(
         model, tokens_NxS, prompt_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
         response_bucket=layout.response_bucket, chunk=chunk, temperature=temperature, with_entropy=with_entropy)
   return (logp, entropy) if with_entropy else logp
+
+
+def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
+            layout: Layout, *, temperature: float, chunk: int, with_entropy: bool):
+  """The packed layout on `layout.streams` streams: rows [N, ...] -> [streams, N/streams, ...], one packed
+  stream of `layout.capacity` slots each (vmapped; on a batch-sharded mesh each shard packs its own rows)."""
+  one = lambda tokens, prompt_len, response_len: shared_prefix.packed_log_probs(
+      model, tokens, prompt_len, response_len, layout.group_size, prompt_bucket=layout.prompt_bucket,
+      response_bucket=layout.response_bucket, capacity=layout.capacity, chunk=chunk, temperature=temperature,
+      with_entropy=with_entropy)
+  if layout.streams == 1:
+    return one(tokens_NxS, prompt_len_N, response_len_N)
+  N, S = tokens_NxS.shape
+  split = lambda x: x.reshape(layout.streams, N // layout.streams, *x.shape[1:])
+  logp, entropy = jax.vmap(one)(split(tokens_NxS), split(prompt_len_N), split(response_len_N))
+  return logp.reshape(N, S), (entropy.reshape(N, S) if with_entropy else None)
 
 
 def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | None, *, temperature: float,

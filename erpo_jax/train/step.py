@@ -69,18 +69,24 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   data.max_prompt_tokens as compile-time constants. prompt_bucket: static bound
   on the batch's prompt lengths (the sampler's prompt bucket); the shared-prefix
   forward runs prompt rows of that length. response_capacity: static bound on
-  the batch's response tokens; when given (and below N*R) the forward packs them
-  end to end. Both positional: jit takes no keywords here.
+  the response tokens of each packed stream (`logprobs.packed_streams`: one per
+  batch shard; `batch.response_capacity` computes it); when given (and below
+  (N / streams) * R) the forward packs them end to end. Both positional: jit
+  takes no keywords here.
   """
   e, p, G = cfg.erpo, cfg.ppo, cfg.rollout.group_size
   temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
   old_pass = needs_old_pass(p, e.weights)
 
+  # Packed responses: one stream per batch shard (each packs its own rows), response_capacity slots each.
+  streams = lambda N: logprobs.packed_streams(N // G, mesh_lib.num_batch_shards(mesh))
+
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     N, S = tokens.shape
     layout = logprobs.choose_layout(
         N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens or S,
-        response_bucket=cfg.rollout.max_new_tokens, capacity=capacity, shared=cfg.model.shared_prefix)
+        response_bucket=cfg.rollout.max_new_tokens, capacity=capacity, streams=streams(N),
+        shared=cfg.model.shared_prefix)
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
                               response_len_N=response_mask.sum(axis=1), temperature=temperature,
                               chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy)

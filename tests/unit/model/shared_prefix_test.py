@@ -125,6 +125,10 @@ def _loss(state, graph, shared, tokens, prompt_len, pm, rm, old, ref, adv, w, kl
     logp, ent = shared_prefix.packed_log_probs(model, tokens, prompt_len, response_len, G, prompt_bucket=P,
                                                response_bucket=R, capacity=PACKED_CAPACITY, chunk=16,
                                                with_entropy=True)
+  elif shared == "streams":  # one packed stream per group, as on a mesh of B batch shards
+    layout = logprobs.Layout(G, P, R, capacity=STREAM_CAPACITY, streams=B)
+    logp, ent = logprobs.log_probs(model, tokens, prompt_len_N=prompt_len, response_len_N=rm.sum(axis=1), chunk=16,
+                                   layout=layout, with_entropy=True)
   elif shared:
     logp, ent = shared_prefix.shared_prefix_log_probs(model, tokens, prompt_len, G, prompt_bucket=P,
                                                       response_bucket=R, chunk=16, with_entropy=True)
@@ -140,8 +144,9 @@ _value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=(1, 2, 11))
 
 @pytest.mark.parametrize("cfg, kl_on, remat, layout", [
     (LLAMA, "prompt", False, True), pytest.param(QWEN2, "all", True, True, marks=pytest.mark.slow),
-    (LLAMA, "all", False, "packed"), (QWEN2, "response", "dots", "packed")],
-    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat-dots"])
+    (LLAMA, "all", False, "packed"), (QWEN2, "response", "dots", "packed"), (LLAMA, "all", "dots", "streams")],
+    ids=["llama-query-kl", "qwen2-all-kl-remat", "packed-llama-all-kl", "packed-qwen2-response-kl-remat-dots",
+         "packed-streams-llama-all-kl-remat-dots"])
 def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layout):
   # The prompt is computed once per group in the shared layout; its gradient must still collect
   # the contributions of all G copies (Query-KL counts every row, and responses attend to it).
@@ -165,6 +170,7 @@ def test_erpo_loss_and_every_gradient_equal_plain_layout(cfg, kl_on, remat, layo
 
 
 PACKED_CAPACITY = 96  # >= the 80 response tokens of make_rows(seed=5), < N*R = 144 slots
+STREAM_CAPACITY = 32  # >= the 20, 30, 30 response tokens of each group of make_rows(seed=5), < G*R = 48 slots
 
 
 @pytest.mark.parametrize("cfg, slack", [(LLAMA, 0), (QWEN2, 7)], ids=["llama-exact-capacity", "qwen2-spare-slots"])
@@ -181,6 +187,37 @@ def test_packed_responses_equal_plain_layout_and_are_zero_after_each_response(cf
   for a, b in zip(plain, packed):
     assert_close(np.asarray(a), np.asarray(b), mask)
     assert np.all(np.asarray(b)[~mask] == 0)
+
+
+def test_one_packed_stream_per_group_equals_plain_layout_and_each_stream_packs_only_its_rows():
+  tokens, prompt_len, pm, rm = make_rows(seed=1)
+  model = tiny_model(LLAMA, seed=3)
+  response_len = jnp.asarray(rm.sum(axis=1))
+  per_group = np.asarray(response_len).reshape(B, G).sum(axis=1)  # 22, 36, 33 tokens
+  capacity = int(per_group.max())
+  assert capacity < int(response_len.sum()) and capacity < G * R  # one stream of the batch would not fit
+  layout = logprobs.choose_layout(B * G, S, group_size=G, prompt_bucket=P, response_bucket=R, capacity=capacity,
+                                  streams=logprobs.packed_streams(B, 3))
+  assert layout == logprobs.Layout(G, P, R, capacity, streams=3)  # 3 groups on 3 batch shards
+  plain = logprobs.log_probs(model, tokens, chunk=16, with_entropy=True)
+  packed = logprobs.log_probs(model, tokens, prompt_len_N=prompt_len, response_len_N=response_len, chunk=16,
+                              layout=layout, with_entropy=True)
+  mask = scored(pm, rm)
+  for a, b in zip(plain, packed):
+    assert_close(np.asarray(a), np.asarray(b), mask)
+    assert np.all(np.asarray(b)[~mask] == 0)
+
+
+def test_packed_streams_hold_whole_groups_and_fall_back_when_they_cannot():
+  # One stream per batch shard, or none when the shards cannot hold whole groups.
+  assert [logprobs.packed_streams(b, shards) for b, shards in ((4, 1), (4, 2), (8, 4), (4, 8), (6, 4))] == [1, 2, 4, 0, 0]
+  kw = dict(group_size=G, prompt_bucket=P, response_bucket=R)
+  assert logprobs.choose_layout(12, S, capacity=40, streams=3, **kw).streams == 3
+  # 3 groups do not split into 2 streams of whole groups: the shared prefix runs unpacked.
+  assert logprobs.choose_layout(12, S, capacity=40, streams=2, **kw).capacity == 0
+  # A stream's capacity must be below its own [N / streams, R] rows.
+  assert logprobs.choose_layout(12, S, capacity=48, streams=3, **kw).capacity == 0
+  assert logprobs.choose_layout(12, S, capacity=40, streams=0, **kw) == logprobs.Layout(G, P, R)
 
 
 def test_stream_index_is_a_bijection_between_response_tokens_and_slots():

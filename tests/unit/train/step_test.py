@@ -213,11 +213,18 @@ SHARDED_SETTINGS = {
                    "ppo.loss_aggregation=token-mean", "erpo.kl_on=all"], [(1, 1, 1), (2, 2, 2)]),
 }
 
+# Meshes of the packed-responses comparison (B = 4 groups): one stream; one per batch shard (2, 4 and 2 shards);
+# 8 batch shards cannot hold whole groups, so that mesh runs unpacked.
+PACKED_SHAPES = {(1, 1, 1): 1, (2, 1, 1): 2, (2, 2, 2): 4, (1, 2, 2): 2, (8, 1, 1): 0}
+
 SHARDED_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
     import step_test as t
+    from erpo_jax.model import logprobs
+    from erpo_jax.parallel import mesh as mesh_lib
+    from erpo_jax.train import batch as batch_lib
     out = {{}}
     batch = t.make_batch()
     for name, (overrides, shapes) in t.SHARDED_SETTINGS.items():
@@ -229,6 +236,30 @@ SHARDED_SCRIPT = textwrap.dedent("""
         params, opt, m = step(params, opt, ref, batch)
         out[f"{{name}} {{shape}}"] = {{"metrics": {{k: float(v) for k, v in m.items()}},
                                     "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
+    # Packed responses, one stream per batch shard (as many as whole groups allow), each stream's own capacity.
+    packed_caps = ["data.max_prompt_tokens=8", "rollout.max_new_tokens=16", "erpo.kl_on=all", "erpo.alpha=0.5",
+                   "data.batch_size=4"]
+    batch = t.make_batch(n=4 * t.G)
+    resp_len = np.minimum(np.asarray(batch.response_mask).sum(axis=1), 16)
+    for shape in t.PACKED_SHAPES:
+      d, f, tp = shape
+      cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}", *packed_caps)
+      devices = jax.devices()[:d * f * tp]
+      step, _, params, ref, opt = t.build(cfg, devices=devices)
+      mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
+      streams = logprobs.packed_streams(4, mesh_lib.num_batch_shards(mesh))
+      cap = int(resp_len.reshape(streams, -1).sum(axis=1).max()) if streams else None
+      params, opt, m = step(params, opt, ref, batch, None, cap)
+      out[f"packed {{shape}}"] = {{"streams": streams, "capacity": cap,
+                                 "metrics": {{k: float(v) for k, v in m.items()}},
+                                 "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
+      # The capacity the loop computes: 4 groups of 8 rows of up to 64 tokens, rows 0-15 of 40, 16-31 of 10.
+      big = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}", "data.batch_size=4",
+                       "rollout.group_size=8", "rollout.max_new_tokens=64")
+      lens = np.array([40] * 16 + [10] * 16)
+      host = batch_lib.HostRollout(tokens=None, prompt_mask=None, response_mask=None, prompt_len=None,
+                                   response_len=lens, truncated=None)
+      out[f"packed {{shape}}"]["loop_capacity"] = batch_lib.response_capacity(big, host, mesh)
     print(json.dumps(out))
 """)
 
@@ -248,6 +279,25 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
         assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (name, shape, k)
       for a, b in zip(base["params"], got["params"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
+  # Packed responses: one stream on one device, one per batch shard on the meshes, the same update.
+  base = out["packed (1, 1, 1)"]
+  assert base["capacity"] < 4 * G * 16
+  # The loop's capacity (multiples of 256): one stream of 800 tokens -> 1024 slots; two streams of 640 and
+  # 160 -> 768 each; four of 320, 320, 80, 80 -> 512 each; none on 8 shards.
+  loop_capacity = {(1, 1, 1): 1024, (2, 1, 1): 768, (2, 2, 2): 512, (1, 2, 2): 768, (8, 1, 1): None}
+  for shape, streams in PACKED_SHAPES.items():
+    got = out[f"packed {shape}"]
+    assert got["streams"] == streams and got["loop_capacity"] == loop_capacity[shape], shape
+    if shape == (1, 1, 1):
+      continue
+    if streams == 0:
+      assert got["capacity"] is None, shape
+    else:  # fewer slots than one stream of the batch, and than the stream's own [N / streams, R] rows: packed
+      assert got["capacity"] < base["capacity"] and got["capacity"] < (4 * G // streams) * 16, shape
+    for k, v in base["metrics"].items():
+      assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (shape, k)
+    for a, b in zip(base["params"], got["params"]):
+      np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 @pytest.mark.slow
