@@ -29,7 +29,6 @@ the cheapest one that applies.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
