@@ -141,7 +141,13 @@ def test_a_stopped_tensorboard_writer_is_a_path_error_not_a_hang(tmp_path, monke
   from erpo_jax.errors import PathError
   from tensorboardX import event_file_writer
 
+  real_write_event = event_file_writer.EventsWriter.write_event
+
   def full_disk(self, event):
+    # The writer's own start-up events (the purge marker) go through the same thread, some time after the
+    # constructor returns: only the scalars fail, so the thread stops at step 1 and nowhere else.
+    if not event.HasField("summary"):
+      return real_write_event(self, event)
     raise OSError(errno.ENOSPC, "No space left on device")
 
   w = metrics.MetricsWriter(tmp_path, total_steps=5, progress=False)
