@@ -132,6 +132,11 @@ class ErpoSection:
   reference: Literal["cached", "forward"] = "cached"
   reference_dtype: Literal["float32", "bfloat16"] = "float32"
   cache_dir: str = ""  # where the static-weight / reference cache lives ("" = <run.dir>/cache)
+  # With reference=cached: per-token |logp - ref| up to this many nats is not penalised. The cache's forward and
+  # the step's are different XLA programs, so at step 0 they differ by rounding (float32, SmolLM2-135M: at most
+  # 3e-5 nats), and Adam would turn the gradient of that rounding into a full-size step when a batch has no
+  # reward signal. Larger log-ratios lose this much (kl.shrink); raise it for bfloat16 references.
+  cache_tolerance: float = 1e-4
   # The tokens the Query-KL penalises and the question NLL s_q sums over: "prompt" = every token of the
   # rendered prompt (chat template, system prompt, suffix; what the public implementation does), or
   # "question" = only the tokens of the user's question text, as the paper writes q = (x_1..x_m).
@@ -142,6 +147,8 @@ class ErpoSection:
     check_field(math.isfinite(self.alpha), "erpo.alpha", "a finite number", self.alpha)
     check_field(self.log_ratio_clamp > 0, "erpo.log_ratio_clamp", "a positive number", self.log_ratio_clamp)
     check_field(self.kl_max > 0, "erpo.kl_max", "a positive number", self.kl_max)
+    check_field(0 <= self.cache_tolerance < math.inf, "erpo.cache_tolerance", "a finite number >= 0 (nats)",
+                self.cache_tolerance)
     lo, hi = self.static_clip
     check_field(0 <= lo < hi, "erpo.static_clip", "[lo, hi] with 0 <= lo < hi", self.static_clip)
     if self.dynamic_clip is not None:

@@ -51,20 +51,31 @@ def scored_mask(mask_NxS: jax.Array) -> jax.Array:
   return mask_NxS.at[:, 0].set(False)
 
 
+def shrink(log_ratio: jax.Array, tolerance: float) -> jax.Array:
+  """sign(d) max(|d| - tolerance, 0): log-ratios within `tolerance` of 0 count as 0 (value and gradient);
+  larger ones lose `tolerance`, so the penalty stays continuous. tolerance = 0 returns d unchanged."""
+  if tolerance == 0:
+    return log_ratio
+  return jnp.sign(log_ratio) * jnp.maximum(jnp.abs(log_ratio) - tolerance, 0.0)
+
+
 def token_kl(logp_NxS: jax.Array, ref_logp_NxS: jax.Array, mask_NxS: jax.Array, *,
              estimator: Estimator = "k3", log_ratio_clamp: float = 20.0,
-             kl_max: float = 10.0) -> tuple[jax.Array, jax.Array]:
-  """Per-token penalty k_t = min(k(clip(logp_t - sg(ref_t), -c, c)), kl_max) on the mask, 0 elsewhere.
+             kl_max: float = 10.0, tolerance: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """Per-token penalty k_t = min(k(clip(shrink(logp_t - sg(ref_t)), -c, c)), kl_max) on the mask, 0 elsewhere.
 
   Returns (k_NxS, clamped_NxS): clamped marks masked tokens where either clamp
   was active. jnp.clip/minimum give zero gradient to a clamped token; that is
   the standard choice (a clamped token stops pushing), and the clamped
   fraction is reported so it can be seen. The log-ratio is masked before any
   nonlinearity, so NaN or inf in padding reaches neither values nor gradients.
+  `tolerance` (nats, see `shrink`) is the rounding between two forwards of the
+  same weights in different programs (erpo.cache_tolerance); 0 is the exact
+  estimator of SPEC 3.
   """
   mask_NxS = scored_mask(mask_NxS)
   raw_NxS = jnp.where(mask_NxS, logp_NxS - jax.lax.stop_gradient(ref_logp_NxS), 0.0)
-  d_NxS = jnp.clip(raw_NxS, -log_ratio_clamp, log_ratio_clamp)
+  d_NxS = jnp.clip(shrink(raw_NxS, tolerance), -log_ratio_clamp, log_ratio_clamp)
   k_NxS = kl_estimate(d_NxS, estimator)
   clamped_NxS = mask_NxS & ((jnp.abs(raw_NxS) > log_ratio_clamp) | (k_NxS > kl_max))
   return jnp.where(mask_NxS, jnp.minimum(k_NxS, kl_max), 0.0), clamped_NxS

@@ -125,7 +125,7 @@ def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS:
               prompt_mask_NxS: jax.Array, response_mask_NxS: jax.Array, advantages_N: jax.Array,
               weights_N: jax.Array | None = None, *, alpha: float = 0.01, kl_on: KLOn = "prompt",
               estimator: str = "k3", log_ratio_clamp: float = 20.0, kl_max: float = 10.0,
-              kl_aggregation: str = "row-mean", eps_low: float = 0.2, eps_high: float = 0.2,
+              kl_tolerance: float = 0.0, kl_aggregation: str = "row-mean", eps_low: float = 0.2, eps_high: float = 0.2,
               dual_clip: float | None = None, loss_aggregation: Aggregation = "seq-mean-token-mean",
               entropy_NxS: jax.Array | None = None, entropy_coef: float = 0.0,
               denominators: Denominators | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -140,6 +140,8 @@ def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS:
   `denominators` (global_denominators of the whole update batch) replace the
   batch's own counts, so minibatch losses add up to the update batch's loss.
   Gradient flows through logp only: old, ref, advantages and weights are constants.
+  kl_tolerance: per-token log-ratios within it of 0 are not penalised (kl.shrink; the cached reference's
+  rounding, erpo.cache_tolerance); 0 is the exact penalty.
   Returns (loss, pieces): loss/pg, loss/kl, loss/total, kl/clamped_frac and entropy/mean as
   combinable pieces (algo.diagnostics.combine_metrics / finalize_metrics).
   """
@@ -152,7 +154,7 @@ def erpo_loss(logp_NxS: jax.Array, old_logp_NxS: jax.Array | None, ref_logp_NxS:
   pg_NxS = clipped_pg_loss(logp_NxS, old_logp_NxS, advantages_N, response_NxS, eps_low, eps_high, dual_clip)
   pg_sum, pg_local = aggregate(w_N[:, None] * pg_NxS, response_NxS, loss_aggregation)
   kl_NxS, clamped_NxS = token_kl(logp_NxS, ref_logp_NxS, penalised_NxS, estimator=estimator,
-                                 log_ratio_clamp=log_ratio_clamp, kl_max=kl_max)
+                                 log_ratio_clamp=log_ratio_clamp, kl_max=kl_max, tolerance=kl_tolerance)
   kl_sum, kl_local = aggregate(kl_NxS, penalised_NxS, kl_mode(kl_aggregation))
   pg_den, kl_den = (pg_local, kl_local) if denominators is None else denominators
   loss = ratio(pg_sum, pg_den) + alpha * ratio(kl_sum, kl_den)

@@ -1,0 +1,80 @@
+"""The cached reference is a different XLA program from the step's forward: at step 0 the two differ by
+float32 rounding. A batch without reward signal must then leave the policy where it is, as it does with
+the reference forward in the step, instead of Adam turning the gradient of that rounding into a full step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import step_test as st
+from temperature_rule_test import build_at_step_0, cached_batch
+from erpo_jax.algo import kl
+
+
+def no_signal_step(*overrides):
+  """(params before, params after, metrics) of one ERPO step at step 0 on a batch whose every reward is 0,
+  with the reference log-probs of the cache computation."""
+  cfg = st.tiny_cfg("erpo.reference=cached", "erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5",
+                    "optim.weight_decay=0", *overrides)
+  step, graphdef, params, _, opt = build_at_step_0(cfg)
+  model = nnx.merge(graphdef, params)
+  batch, _ = cached_batch(model, st.make_batch())
+  batch = batch.replace(rewards=jnp.zeros_like(batch.rewards))
+  before = jax.tree.map(np.array, params)
+  new_params, _, m = step(params, opt, None, batch)
+  return before, jax.tree.map(np.array, new_params), m
+
+
+def moved(before, after) -> float:
+  return max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_a_cached_reference_step_without_reward_signal_leaves_the_params_where_they_are():
+  before, after, m = no_signal_step()
+  # The cache and the step's forward do differ, by rounding only: mean k3 ~ d^2 / 2 with |d| ~ 1e-7.
+  assert 0 < float(m["kl/query"]) < 1e-9
+  assert float(m["reward/zero_std_groups"]) == 1.0
+  assert float(m["optim/grad_norm"]) == 0.0
+  assert moved(before, after) == 0.0
+
+
+def test_without_the_tolerance_adam_turns_the_rounding_into_a_step_of_about_lr():
+  before, after, m = no_signal_step("erpo.cache_tolerance=0")
+  assert 0 < float(m["optim/grad_norm"]) < 1e-4
+  assert moved(before, after) > 0.5e-2  # lr = 1e-2: Adam's first step is lr * g / |g| whatever |g| is
+
+
+def test_the_tolerance_zeroes_log_ratios_within_it_and_shifts_larger_ones_by_it():
+  d = jnp.array([[0.0, -0.5, -5e-5, 0.0, 5e-5, 0.3, 2e-4]])
+  ref = jnp.zeros_like(d)
+  mask = jnp.ones(d.shape, bool)  # column 0 never counts
+  tol = 1e-4
+  k, _ = kl.token_kl(d, ref, mask, tolerance=tol)
+  shifted = np.array([0.0, -0.5 + tol, 0.0, 0.0, 0.0, 0.3 - tol, 1e-4])
+  np.testing.assert_allclose(np.asarray(k)[0], np.expm1(-shifted) + shifted, rtol=1e-6, atol=1e-11)
+  grad = jax.grad(lambda x: kl.token_kl(x, ref, mask, tolerance=tol)[0].sum())(d)
+  np.testing.assert_allclose(np.asarray(grad)[0], np.where(np.arange(7) == 0, 0.0, 1 - np.exp(-shifted)),
+                             rtol=1e-5, atol=1e-7)
+  assert float(grad[0, 2]) == 0.0 and float(grad[0, 4]) == 0.0
+  # tolerance 0 is the exact estimator
+  np.testing.assert_array_equal(kl.token_kl(d, ref, mask)[0], kl.token_kl(d, ref, mask, tolerance=0.0)[0])
+
+
+def test_the_reference_forward_keeps_the_exact_penalty():
+  """The tolerance is for the cache only: with erpo.reference=forward a 5e-5 log-ratio is penalised."""
+  cfg = st.tiny_cfg("erpo.reference=forward", "erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5",
+                    "optim.weight_decay=0")
+  step, graphdef, params, ref, opt = build_at_step_0(cfg)
+  ref = jax.tree.map(lambda x: x * (1 + 1e-5), ref)
+  batch = st.make_batch().replace(rewards=jnp.zeros((st.B * st.G,), jnp.float32))
+  _, _, m = step(params, opt, ref, batch)
+  assert float(m["optim/grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("value", ["-1e-4", "inf"])
+def test_a_negative_or_infinite_cache_tolerance_names_the_field(value):
+  from erpo_jax.errors import UserError
+  with pytest.raises(UserError, match="erpo.cache_tolerance"):
+    st.tiny_cfg(f"erpo.cache_tolerance={value}")
