@@ -177,6 +177,7 @@ def test_a_changed_config_for_an_existing_run_folder_is_refused_with_exit_code_2
   assert "grpo-s0 was made with another config (optim.lr: 0.001 -> 0.0005)" in err[0]
 
 
+@pytest.mark.slow
 def test_a_finished_grid_moved_without_checkpoints_and_cache_reports_and_reruns_nothing(grid, tmp_path):
   folder, _ = grid
   assert experiment(folder).returncode == 0  # the grid is whole again after the tests above

@@ -113,6 +113,7 @@ def _indices(run_dir):
   return [json.loads(l) for l in (run_dir / "data_indices.process0.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_loop_refills_each_batch_logs_the_extra_rollouts_and_a_resume_mid_refill_is_exact(tmp_path):
   train(_cfg(tmp_path, "full"), hooks=Hooks(scored=_half_spread))
   rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
