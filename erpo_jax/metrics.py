@@ -48,6 +48,7 @@ SPEC_SCALARS = (
     "prompt_nll/mean",  # per-prompt mean token NLL under the policy
     "prompt_nll/min",
     "prompt_nll/max",
+    "prompt/len_mean",  # tokens, with the chat template
     "response/len_mean",  # tokens
     "response/len_max",
     "response/truncated",  # fraction of responses that hit max_new_tokens

@@ -60,6 +60,21 @@ def with_utilisation(rec: dict[str, Any], device: dict[str, Any], rate_key: str,
     rec[out_key.replace("utilisation", "mfu")] = rate / spec
 
 
+def with_rl_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
+  """Compute floors of the rl record's update and rollout: their work's FLOPs (update_flops,
+  rollout_flops, medians over the timed steps) over the matmul peak, and the measured time over that
+  floor (1 = at the floor)."""
+  peak, source = peak_for(rec, device)
+  if not peak:
+    return
+  rec["peak_flops_per_s"], rec["peak_source"] = peak, source
+  for phase in ("update", "rollout"):
+    work, took = rec.get(f"{phase}_flops"), rec.get(f"{phase}_s")
+    if work and took:
+      rec[f"{phase}_floor_s"] = work / peak
+      rec[f"{phase}_over_floor"] = took / (work / peak)
+
+
 def with_decode_floors(rec: dict[str, Any], device: dict[str, Any]) -> None:
   """Floors of one decode step: bytes it must read / read bandwidth, and its FLOPs / matmul peak.
 

@@ -35,6 +35,22 @@ def train_step_flops(mc: ModelConfig, rows: int, length: int, *, reference_forwa
   return f * (3 * epochs + int(reference_forward) + int(old_pass))
 
 
+def rl_update_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: float, response_len: float,
+                    passes: int) -> float:
+  """The work an RL update cannot avoid: each prompt once (B x p tokens, the shared prefix) and each
+  response's own tokens (N x r, packed), attention over the mean context p + r, times `passes` forwards
+  (train_step_flops: 3 per epoch for forward and backward, 1 for each reference or behaviour forward)."""
+  tokens = prompts * prompt_len + rows * response_len
+  return tokens * mc.flops_per_token(prompt_len + response_len) * passes
+
+
+def rl_rollout_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: float, decode_steps: int) -> float:
+  """A rollout's work: the prefill of B prompts of p tokens, then `decode_steps` steps of all N rows (the
+  sampler runs until the longest response ends), step t attending over p + t keys."""
+  decode = sum(decode_step_flops(mc, rows, prompt_len + t) for t in range(1, int(decode_steps) + 1))
+  return prefill_flops(mc, prompts, prompt_len) + decode
+
+
 def prefill_flops(mc: ModelConfig, prompts: int, bucket: int) -> float:
   """The sampler's prefill: B prompt rows of P positions, logits at one position per row."""
   body = mc.flops_per_token(bucket) - lm_head_flops_per_token(mc)

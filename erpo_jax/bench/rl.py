@@ -6,6 +6,9 @@ time/step in metrics.jsonl); the first `warmup` steps (compilation) are left out
 The loop checkpoints only after its last step, outside the timed steps. The time to
 the first step (time/to_first_step: set-up and compilation) is reported apart, beside
 the record's `compile_cache` counts: run the bench twice for a cold and a warm cache.
+update_flops and rollout_flops are the work of a step counted from the model config
+and the step's logged prompt and response lengths (bench/flops.py); bench/floors.py
+turns them into floors at the matmul peak.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import shutil
 import tempfile
 from typing import Any
 
+from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
+from erpo_jax.model.io.loading import model_config
+from erpo_jax.train.step import needs_old_pass
 from erpo_jax.train.loop import train
 
 PHASES = ("time/rollout", "time/reward", "time/reference", "time/update", "time/step")
@@ -50,6 +56,23 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
   return out
 
 
+def work_per_step(cfg, mc, rows: list[dict]) -> dict[str, Any]:
+  """Medians over `rows` (the timed steps' metrics) of the update's and the rollout's FLOPs."""
+  B, G = cfg.data.batch_size, cfg.rollout.group_size
+  passes = (3 * cfg.ppo.epochs + int(cfg.erpo.reference == "forward")
+            + int(needs_old_pass(cfg.ppo, cfg.erpo.weights)))
+  lengths = [r for r in rows if "prompt/len_mean" in r and "response/len_mean" in r]
+  if not lengths:
+    return {}
+  update = [bench_flops.rl_update_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
+                                        response_len=r["response/len_mean"], passes=passes) for r in lengths]
+  rollout = [bench_flops.rl_rollout_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
+                                          decode_steps=int(r["response/len_max"])) for r in lengths]
+  return {"update_flops": bench_probe.median(update), "update_passes": passes,
+          "rollout_flops": bench_probe.median(rollout),
+          "prompt_len_mean": sum(r["prompt/len_mean"] for r in lengths) / len(lengths)}
+
+
 def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Median per-phase step times of `iters` real training steps after `warmup`, and peak RSS."""
 
@@ -64,6 +87,7 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
          "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
          "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,
          "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
-         **summarize_steps(rows, warmup), **bench_probe.peak_memory(), **bench_probe.device_info(),
+         **summarize_steps(rows, warmup), **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
+         **bench_probe.peak_memory(), **bench_probe.device_info(),
          "load_avg_start": load0, "load_avg_end": bench_probe.load_average()}
   return out

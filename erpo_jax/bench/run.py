@@ -40,7 +40,7 @@ import tempfile
 from typing import Any
 
 from erpo_jax.bench import machine
-from erpo_jax.bench.floors import with_decode_floors, with_spec_peaks, with_utilisation
+from erpo_jax.bench.floors import with_decode_floors, with_rl_floors, with_spec_peaks, with_utilisation
 from erpo_jax.bench import peer as bench_peer
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
@@ -154,6 +154,9 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     if r["name"] == "rl" and r.get("step_s"):
       out["rl_step_s"] = r["step_s"]
       out["rl_peak_rss_bytes"] = max(r["peak_rss_bytes"], r["peak_children_rss_bytes"])
+      for phase in ("update", "rollout"):
+        if r.get(f"{phase}_over_floor") is not None:
+          out[f"rl_{phase}_over_floor"] = r[f"{phase}_over_floor"]
     if r["name"] == "against":
       out["peer"] = r["peer"]
       out.update({f"rl_{k}_over_peer": v for k, v in r["ratios"].items()})
@@ -230,7 +233,9 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
         record("rollout/sampler", rec)
         record("rollout/greedy_uncached", run_worker("greedy", cfg, iters=n, warmup=w, tmp=tmp))
       else:
-        rec = record("rl", run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp))
+        rec = run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp)
+        with_rl_floors(rec, device)
+        rec = record("rl", rec)
         if against is not None and "error" not in rec:
           vs = record("against", bench_peer.compare(rec, against, rec.get("cpu_model") or machine.cpu_model()))
           for line in bench_peer.report(vs):

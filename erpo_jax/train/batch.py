@@ -115,6 +115,7 @@ def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray
       "reward/std": float(rewards.std()),
       "reward/accuracy": float(correct.mean()),
       "reward/overlong_penalty": float(penalty.mean()),
+      "prompt/len_mean": float(prompt_len.mean()),  # tokens
       "response/len_mean": float(response_len.mean()),
       "response/len_max": float(response_len.max()),
       "response/truncated": float(truncated.mean()),

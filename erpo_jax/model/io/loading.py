@@ -141,6 +141,16 @@ def load_model(model: config_lib.ModelSection, *,
   return net, tokenizer
 
 
+def model_config(model: config_lib.ModelSection) -> ModelConfig:
+  """The architecture of `model` without reading its weights (for FLOP counts)."""
+  kind, where = _source(model.path, "model.path")
+  if kind == "random":
+    return llama.model_config_from_random_init(model.random_init)
+  if kind == "gguf":
+    return gguf.read_config(gguf.open_gguf(where))
+  return hf.read_config(where)
+
+
 def load_gguf_model(path: str, *, dtype="float32", param_dtype="float32", remat: bool = False,
                     sharding_for: ShardingFor | None = None) -> llama.Transformer:
   """Transformer from a .gguf file, dequantized to param_dtype."""

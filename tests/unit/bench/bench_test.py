@@ -48,6 +48,32 @@ def test_flops_match_a_hand_count():
   assert bench_flops.prefill_flops(SMALL, 2, 4) == 4416
 
 
+def test_rl_work_counts_each_prompt_once_and_each_response_token_by_hand():
+  # 2 prompts of 4 tokens, 6 rows of 3 response tokens: 8 + 18 = 26 tokens at context 7, 1088 + 112 = 1200
+  # FLOPs each, 31200 per forward; 4 forwards (policy forward and backward, reference).
+  assert bench_flops.rl_update_flops(SMALL, prompts=2, rows=6, prompt_len=4, response_len=3, passes=4) == 4 * 31200
+  # Rollout: the prefill (2 prompts x 4 positions, 4416) and 2 decode steps of 6 rows over 5 and 6 keys.
+  want = 4416 + 6 * (1088 + 80) + 6 * (1088 + 96)
+  assert bench_flops.rl_rollout_flops(SMALL, prompts=2, rows=6, prompt_len=4, decode_steps=2) == want
+
+
+def test_rl_record_gets_the_floors_of_its_update_and_rollout_at_the_matmul_peak():
+  cfg = load_config(TINY, ["erpo.reference=forward", "erpo.kl_on=response", "data.batch_size=2",
+                           "rollout.group_size=3"])
+  rows = [{"step": 1, "prompt/len_mean": 99.0, "response/len_mean": 99.0, "response/len_max": 99},
+          {"step": 2, "prompt/len_mean": 4.0, "response/len_mean": 3.0, "response/len_max": 2}]
+  work = bench_rl.work_per_step(cfg, SMALL, rows[1:])
+  assert work["update_passes"] == 4 and work["update_flops"] == 4 * 31200
+  assert work["rollout_flops"] == bench_flops.rl_rollout_flops(SMALL, prompts=2, rows=6, prompt_len=4, decode_steps=2)
+  rec = {"name": "rl", "update_s": 2.0, "rollout_s": 1.0, "dtype": "float32", **work}
+  bench_floors.with_rl_floors(rec, {"peak_flops_per_s_float32": 124800.0})
+  assert rec["update_floor_s"] == 1.0 and rec["update_over_floor"] == 2.0
+  assert rec["rollout_floor_s"] == pytest.approx(work["rollout_flops"] / 124800.0)
+  assert rec["rollout_over_floor"] == pytest.approx(1.0 / rec["rollout_floor_s"])
+  s = bench_run.summary([{**rec, "step_s": 3.0, "peak_rss_bytes": 1, "peak_children_rss_bytes": 0}])
+  assert s["rl_update_over_floor"] == 2.0 and s["rl_rollout_over_floor"] == rec["rollout_over_floor"]
+
+
 def test_synthetic_batch_is_prompt_then_full_response_with_shared_prompts():
   prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
   b = bench_step.synthetic_batch(prompts, 2, 4, 12, vocab=50, pad_id=0, seed=1)
