@@ -64,8 +64,8 @@ class LogSection:
   num_samples: int = 2
   progress: bool = True  # console progress bar
   # With erpo.reference=cached the step has no reference forward, so Policy-KL (response k3) comes
-  # from a separate policy + reference forward of the batch every this many steps (0 = never: no
-  # reference kept). Each costs about two forwards; erpo.reference=forward logs it every step for free.
+  # every this many steps from a variant of the step with one reference forward of the batch (0 = never:
+  # no reference kept); erpo.reference=forward logs it every step for free.
   policy_kl_every: int = 5
   # <run.dir>/data_indices.process<p>.jsonl: per step, the dataset indices of the prompts process p fed
   # (one {"step", "index"} line per step); audits the data order and the split across processes.

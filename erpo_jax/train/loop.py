@@ -129,21 +129,24 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   param_sh = mesh_lib.param_shardings(params, mesh)
 
   # The frozen reference: a copy of the initial weights, in the step (forward) or only for
-  # the Policy-KL metric (cached, every log.policy_kl_every steps).
-  ref_params, ref_sh, policy_kl_fn = None, None, None
+  # the Policy-KL metric (cached: the step variant with a reference forward, every log.policy_kl_every steps).
+  ref_params, ref_sh = None, None
   forward = cfg.erpo.reference == "forward"
   if forward or cfg.log.policy_kl_every:
     dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
     ref_sh = param_sh
-  if not forward and ref_params is not None:
-    policy_kl_fn = train_step.build_policy_kl(graphdef, cfg, mesh=mesh, param_shardings=param_sh)
 
   tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.ppo.minibatches * cfg.ppo.epochs)
   opt_sh = optim.opt_state_shardings(tx, params, param_sh, mesh)
   opt_state = optim.init_opt_state(tx, params, opt_sh)
   step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=param_sh,
                                         opt_shardings=opt_sh, ref_shardings=ref_sh if forward else None)
+  # Cached reference: the steps that log the Policy-KL run this variant, with one reference forward.
+  policy_kl_step_fn = None
+  if not forward and ref_params is not None:
+    policy_kl_step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=param_sh,
+                                                    opt_shardings=opt_sh, ref_shardings=ref_sh)
 
   data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -227,14 +230,15 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                               batch.question_masks if cfg.erpo.query_span == "question" else None)
       prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
-      want_policy_kl = policy_kl_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
-                                                                 or step == cfg.train.steps)
-      if want_policy_kl:  # before the update, which donates params: the policy that sampled
-        policy_kl = policy_kl_fn(params, ref_params, update.tokens, update.prompt_mask, update.response_mask,
-                                 prompt_bucket)
+      want_policy_kl = policy_kl_step_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
+                                                                      or step == cfg.train.steps)
       t3 = time.perf_counter()
-      params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params if forward else None, update,
-                                               prompt_bucket, response_capacity(cfg, host, mesh))
+      if want_policy_kl:
+        params, opt_state, dev_metrics = policy_kl_step_fn(params, opt_state, ref_params, update, prompt_bucket,
+                                                           response_capacity(cfg, host, mesh))
+      else:
+        params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params if forward else None, update,
+                                                 prompt_bucket, response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if step == start + 1:
@@ -253,8 +257,6 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         evaluation = {}
       if log_step or evaluation:
         last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
-        if want_policy_kl:
-          last["kl/policy"] = float(policy_kl)
         last.update(rollout_metrics(host, rewards_N, scored.correct, t4 - t0, scored.timeouts, scored.crashes,
                                     penalty_N))
         last.update(sampling)

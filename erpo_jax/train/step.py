@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from erpo_jax.algo import advantages, diagnostics, kl, losses, weights
+from erpo_jax.algo import advantages, diagnostics, losses, weights
 from erpo_jax.config import Config, PpoSection
 from erpo_jax.model import logprobs
 from erpo_jax.parallel import mesh as mesh_lib
@@ -73,6 +73,12 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   batch shard; `batch.response_capacity` computes it); when given (and below
   (N / streams) * R) the forward packs them end to end. Both positional: jit
   takes no keywords here.
+
+  ref_shardings: the reference's shardings when the step takes reference params. With
+  erpo.reference=forward the loss uses the reference forward; with erpo.reference=cached the
+  loss keeps the cached prompt log-probs and the forward serves only the Policy-KL metric,
+  one forward on the steps that log it (without ref_shardings the cached step has no
+  reference forward and no kl/policy).
   """
   e, p, G = cfg.erpo, cfg.ppo, cfg.rollout.group_size
   temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
@@ -103,6 +109,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     adv_N = advantages.group_advantages(batch.rewards, G, estimator=p.advantage, eps=p.advantage_eps,
                                         scale=p.advantage_scale)
     ref_logp = whole_batch_logp(ref_params) if e.reference == "forward" else batch.ref_logp
+    # Cached reference with reference params: their forward gives the responses' reference log-probs, for
+    # kl/policy only; the prompts keep the cached ones, so kl/query and the loss are those of the cached step.
+    policy_kl_only = e.reference == "cached" and ref_params is not None
+    if policy_kl_only:
+      metric_ref_logp = jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params))
     if old_pass:
       old_logp = whole_batch_logp(params)
     else:
@@ -138,13 +149,15 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       pieces.update(diagnostics.pg_diagnostics(logp, old, mb["adv"], loss_mask(mb), p.eps_low, p.eps_high,
                                                p.dual_clip))
       pieces.update(diagnostics.erpo_diagnostics(
-          logp, mb["ref_logp"], mb["query_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
+          logp, mb.get("metric_ref_logp", mb["ref_logp"]), mb["query_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
           kl_max=e.kl_max, kl_aggregation=e.kl_aggregation))
       return loss, pieces
 
     rows = {"tokens": batch.tokens, "prompt_mask": batch.prompt_mask, "query_mask": batch.query_mask,
             "response_mask": batch.response_mask, "truncated": batch.truncated,
             "ref_logp": ref_logp, "old_logp": old_logp, "adv": adv_N, "w": w_N}
+    if policy_kl_only:
+      rows["metric_ref_logp"] = metric_ref_logp
     mbs = jax.tree.map(lambda x: _split_rows(x, M), rows)
 
     def minibatch_grads(params, mb):
@@ -187,9 +200,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     metrics["reward/zero_std_groups"] = advantages.zero_std_group_fraction(batch.rewards, G)
     metrics["loss/masked_truncated"] = (jnp.mean(batch.truncated.astype(jnp.float32)) if p.mask_truncated
                                         else jnp.zeros((), jnp.float32))  # fraction of rows left out of the loss
-    if e.reference == "cached":
-      # Cached reference log-probs cover prompt tokens only: Policy-KL comes from build_policy_kl.
-      del metrics["kl/policy"]
+    if e.reference == "cached" and not policy_kl_only:
+      del metrics["kl/policy"]  # cached reference log-probs cover prompt tokens only
     return params, opt_state, metrics
 
   rows2, rows1 = mesh_lib.batch_sharding(mesh, 2), mesh_lib.batch_sharding(mesh, 1)
@@ -201,31 +213,3 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
                  out_shardings=(param_shardings, opt_shardings, mesh_lib.replicated(mesh)),
                  donate_argnums=(0, 1), static_argnums=(4, 5))
 
-
-def build_policy_kl(graphdef: nnx.GraphDef, cfg: Config, *, mesh: Mesh, param_shardings):
-  """Jitted Policy-KL (response k3, row mean) of the current policy against the frozen reference.
-
-  For erpo.reference=cached, whose step has no reference forward. Both sides
-  are full distributions under the log-prob rule (model.logprobs): the
-  responses at the sampling temperature, never the sampler's top-p / top-k
-  filtered log-probs. Costs a policy and a reference forward of the batch;
-  call it before the step, which donates the params.
-  """
-  e, G = cfg.erpo, cfg.rollout.group_size
-  temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
-
-  def policy_kl(params, ref_params, tokens_NxS, prompt_mask_NxS, response_mask_NxS, prompt_bucket):
-    N, S = tokens_NxS.shape
-    layout = logprobs.choose_layout(N, S, group_size=G, prompt_bucket=prompt_bucket,
-                                    response_bucket=cfg.rollout.max_new_tokens, shared=cfg.model.shared_prefix)
-    logp_of = lambda p: logprobs.log_probs(
-        nnx.merge(graphdef, p), tokens_NxS, prompt_len_N=prompt_mask_NxS.sum(axis=1), temperature=temperature,
-        chunk=cfg.model.logits_chunk, layout=layout)
-    row = kl.row_kl(logp_of(params), logp_of(ref_params), response_mask_NxS, estimator="k3",
-                    log_ratio_clamp=e.log_ratio_clamp, kl_max=e.kl_max)
-    # Mean over rows that have response tokens, as the step's kl/policy (row-mean aggregation).
-    return losses.ratio(row.per_row_N.sum(), (row.count_N > 0).sum().astype(jnp.float32))
-
-  rows = mesh_lib.batch_sharding(mesh, 2)
-  return jax.jit(policy_kl, in_shardings=(param_shardings, param_shardings, rows, rows, rows),
-                 out_shardings=mesh_lib.replicated(mesh), static_argnums=(5,))

@@ -78,3 +78,24 @@ def test_a_negative_or_infinite_cache_tolerance_names_the_field(value):
   from erpo_jax.errors import UserError
   with pytest.raises(UserError, match="erpo.cache_tolerance"):
     st.tiny_cfg(f"erpo.cache_tolerance={value}")
+
+
+def test_a_cached_step_given_the_reference_logs_the_policy_kl_of_the_forward_step_and_makes_the_same_update():
+  """The Policy-KL steps of a cached-reference run: one reference forward, for kl/policy only."""
+  batch = st.make_batch()
+  common = ("erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5")
+  fwd_step, _, params, ref, opt = st.build(st.tiny_cfg("erpo.reference=forward", *common))
+  _, _, fwd = fwd_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), ref, batch)
+  cfg = st.tiny_cfg("erpo.reference=cached", *common)
+  plain_step, _, params, ref, opt = st.build(cfg)
+  kl_step = st.build(cfg, with_reference=True)[0]
+  p_plain, _, plain = plain_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), None, batch)
+  p_kl, _, with_kl = kl_step(params, opt, ref, batch)
+  assert "kl/policy" not in plain
+  assert float(with_kl["kl/policy"]) > 1e-3  # the reference of st.build is another random model
+  assert float(with_kl["kl/policy"]) == pytest.approx(float(fwd["kl/policy"]), rel=1e-5)
+  # The loss and the update are the cached step's: the reference forward feeds the metric only.
+  for key in ("loss/total", "loss/kl", "kl/query", "optim/grad_norm"):
+    assert float(with_kl[key]) == pytest.approx(float(plain[key]), rel=1e-6, abs=1e-9), key
+  for a, b in zip(jax.tree.leaves(p_kl), jax.tree.leaves(p_plain)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)

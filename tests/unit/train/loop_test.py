@@ -58,6 +58,13 @@ def test_weights_none_gives_unit_weights_and_dynamic_follows_the_current_nll(tmp
   assert r["weight/max"] == pytest.approx(r["prompt_nll/mean"] / r["prompt_nll/min"], rel=1e-4)
 
 
+def test_a_cached_reference_run_logs_the_policy_kl_every_policy_kl_every_steps_and_at_the_last(tmp_path):
+  _, _, rows = run(tmp_path, "c", "train.steps=3", "erpo.reference=cached", "erpo.kl_on=prompt",
+                   "log.policy_kl_every=2", "checkpoint.every=0")
+  assert [r["step"] for r in rows if "kl/policy" in r] == [2, 3]
+  assert all(r["kl/policy"] >= 0 and "kl/query" in r for r in rows if "kl/policy" in r)
+
+
 @pytest.mark.slow
 def test_cached_reference_gives_the_same_first_step_as_the_reference_forward(tmp_path):
   _, _, fwd = run(tmp_path, "f", "train.steps=1", "erpo.reference=forward", "erpo.alpha=1.0")

@@ -50,7 +50,9 @@ def make_batch(seed=0, n=B * G, s=S):
       truncated=jnp.asarray(np.arange(n) % 3 == 1))  # flags only: ppo.mask_truncated decides what they do
 
 
-def build(cfg, devices=None, model_seed=0):
+def build(cfg, devices=None, model_seed=0, with_reference=None):
+  """(step, graphdef, params, ref_params, opt_state); with_reference: the step takes reference params
+  (default: when erpo.reference=forward; a cached step given them logs the Policy-KL)."""
   mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
   mc = llama.model_config_from_random_init(cfg.model.random_init)
   model = llama.init_random(mc, seed=model_seed)
@@ -65,7 +67,8 @@ def build(cfg, devices=None, model_seed=0):
   opt_state = optim.init_opt_state(tx, params, osh)
   step = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=psh,
                                      opt_shardings=osh,
-                                     ref_shardings=psh if cfg.erpo.reference == "forward" else None)
+                                     ref_shardings=psh if (cfg.erpo.reference == "forward" if with_reference is None
+                                                           else with_reference) else None)
   return step, graphdef, params, ref_params, opt_state
 
 
