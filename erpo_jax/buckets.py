@@ -18,6 +18,12 @@ def prompt_bucket(length: int, min_bucket: int) -> int:
   return power_of_two(length, min_bucket)
 
 
+def fine_bucket(length: int, minimum: int = 16) -> int:
+  """A length for `length` tokens: the next multiple of max(minimum, power_of_two(length) / 8), so the padding
+  is under an eighth of that power of two and an octave has at most 4 values (43 -> 48, 100 -> 112, 300 -> 320)."""
+  return round_up(length, max(minimum, power_of_two(length) // 8))
+
+
 def sequence_bucket(length: int) -> int:
   """The update batch's row length S for rows of at most `length` tokens: a multiple of 32."""
   return round_up(length, 32)

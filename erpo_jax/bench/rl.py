@@ -64,8 +64,11 @@ def work_per_step(cfg, mc, rows: list[dict]) -> dict[str, Any]:
   lengths = [r for r in rows if "prompt/len_mean" in r and "response/len_mean" in r]
   if not lengths:
     return {}
+  # A cached-reference step that logs the Policy-KL runs one reference forward more.
+  extra = lambda r: int(cfg.erpo.reference == "cached" and "kl/policy" in r)
   update = [bench_flops.rl_update_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
-                                        response_len=r["response/len_mean"], passes=passes) for r in lengths]
+                                        response_len=r["response/len_mean"], passes=passes + extra(r))
+            for r in lengths]
   rollout = [bench_flops.rl_rollout_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
                                           decode_steps=int(r["response/len_max"])) for r in lengths]
   return {"update_flops": bench_probe.median(update), "update_passes": passes,

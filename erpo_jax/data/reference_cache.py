@@ -87,13 +87,13 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, batch_size:
   bar = None
   if progress and jax.process_index() == 0:
     bar = tqdm(total=Q, desc="reference pass", unit="prompt")
-  # Sort by length so each batch pads little; lengths are bucketed to bound compilations.
+  # Sort by length so each batch pads little; lengths are bucketed (buckets.fine_bucket) to bound compilations.
   order = np.argsort(lengths, kind="stable")
   shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
   B = buckets.round_up(batch_size, shards)
   for start in range(0, Q, B):
     idx = order[start:start + B]
-    L = buckets.power_of_two(int(lengths[idx].max()), 16)
+    L = buckets.fine_bucket(int(lengths[idx].max()))
     tok = np.zeros((B, L), np.int32)
     for r, q in enumerate(idx):
       tok[r, :lengths[q]] = prompt_tokens[q]

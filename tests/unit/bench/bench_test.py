@@ -70,6 +70,11 @@ def test_rl_record_gets_the_floors_of_its_update_and_rollout_at_the_matmul_peak(
   assert rec["update_floor_s"] == 1.0 and rec["update_over_floor"] == 2.0
   assert rec["rollout_floor_s"] == pytest.approx(work["rollout_flops"] / 124800.0)
   assert rec["rollout_over_floor"] == pytest.approx(1.0 / rec["rollout_floor_s"])
+  # A cached-reference step has no reference forward, unless it logs the Policy-KL.
+  cached = load_config(TINY, ["erpo.reference=cached", "erpo.kl_on=prompt", "data.batch_size=2",
+                              "rollout.group_size=3"])
+  assert bench_rl.work_per_step(cached, SMALL, rows[1:])["update_flops"] == 3 * 31200
+  assert bench_rl.work_per_step(cached, SMALL, [{**rows[1], "kl/policy": 0.1}])["update_flops"] == 4 * 31200
   s = bench_run.summary([{**rec, "step_s": 3.0, "peak_rss_bytes": 1, "peak_children_rss_bytes": 0}])
   assert s["rl_update_over_floor"] == 2.0 and s["rl_rollout_over_floor"] == rec["rollout_over_floor"]
 

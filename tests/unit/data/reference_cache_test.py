@@ -130,3 +130,12 @@ def test_cache_dir_that_is_a_file_is_a_path_error(tmp_path):
   model, tokenizer = load_model(cfg.model)
   with pytest.raises(PathError, match=r"erpo.cache_dir '.*afile' is a file"):
     static_weights.ensure_reference_cache(cfg, model, tokenizer)
+
+
+def test_reference_pass_lengths_pad_less_than_an_eighth_of_their_power_of_two():
+  from erpo_jax import buckets
+  assert [buckets.fine_bucket(n) for n in (1, 16, 17, 36, 43, 64, 65, 100, 300, 1000)] == [
+      16, 16, 32, 48, 48, 64, 80, 112, 320, 1024]
+  lengths = range(1, 2049)
+  assert all(0 <= buckets.fine_bucket(n) - n < max(16, buckets.power_of_two(n) // 8) for n in lengths)
+  assert len({buckets.fine_bucket(n) for n in range(1025, 2049)}) == 4  # compilations per octave
