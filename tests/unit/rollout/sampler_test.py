@@ -130,6 +130,7 @@ def test_greedy_stops_at_an_eos_it_emits(model):
   assert response(r, 0) == ref[0][:4] and not bool(r.truncated[0])
 
 
+@pytest.mark.slow
 def test_compiles_once_per_prompt_bucket(model):
   s = Sampler(model, tok(), max_new_tokens=3, min_prompt_bucket=4)
   rng = np.random.default_rng(0)

@@ -91,8 +91,7 @@ def on_the_tiny_model(name, run_dir, *overrides):
 
 
 @pytest.mark.parametrize("name", [
-    "dapo_erpo", pytest.param("dapo", marks=pytest.mark.slow), pytest.param("rloo", marks=pytest.mark.slow),
-    pytest.param("rloo_erpo", marks=pytest.mark.slow)])
+    pytest.param(name, marks=pytest.mark.slow) for name in ("dapo_erpo", "dapo", "rloo", "rloo_erpo")])
 def test_rloo_and_dapo_configs_train_and_log_rewards_losses_and_their_metrics(tmp_path, name):
   dapo = name.startswith("dapo")
   # The tiny budget is 8 new tokens: DAPO's buffer is its last quarter.
