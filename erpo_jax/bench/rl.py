@@ -90,7 +90,8 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
          "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
          "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,
          "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
-         **summarize_steps(rows, warmup), **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
+         **summarize_steps(rows, warmup),
+         **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
          **bench_probe.peak_memory(), **bench_probe.device_info(),
          "load_avg_start": load0, "load_avg_end": bench_probe.load_average()}
   return out

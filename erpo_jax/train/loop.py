@@ -145,8 +145,9 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   # Cached reference: the steps that log the Policy-KL run this variant, with one reference forward.
   policy_kl_step_fn = None
   if not forward and ref_params is not None:
-    policy_kl_step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=param_sh,
-                                                    opt_shardings=opt_sh, ref_shardings=ref_sh)
+    policy_kl_step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh,
+                                                    param_shardings=param_sh, opt_shardings=opt_sh,
+                                                    ref_shardings=ref_sh)
 
   data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -233,12 +234,9 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       want_policy_kl = policy_kl_step_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
                                                                       or step == cfg.train.steps)
       t3 = time.perf_counter()
-      if want_policy_kl:
-        params, opt_state, dev_metrics = policy_kl_step_fn(params, opt_state, ref_params, update, prompt_bucket,
-                                                           response_capacity(cfg, host, mesh))
-      else:
-        params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params if forward else None, update,
-                                                 prompt_bucket, response_capacity(cfg, host, mesh))
+      fn, ref = (policy_kl_step_fn, ref_params) if want_policy_kl else (step_fn, ref_params if forward else None)
+      params, opt_state, dev_metrics = fn(params, opt_state, ref, update, prompt_bucket,
+                                          response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if step == start + 1:

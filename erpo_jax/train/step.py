@@ -143,14 +143,15 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       loss, pieces = losses.erpo_loss(
           logp, old, mb["ref_logp"], mb["query_mask"], loss_mask(mb), mb["adv"], w,
           alpha=e.alpha, kl_on=e.kl_on, estimator=e.estimator, log_ratio_clamp=e.log_ratio_clamp,
-          kl_max=e.kl_max, kl_tolerance=e.cache_tolerance if e.reference == "cached" else 0.0, eps_low=p.eps_low, eps_high=p.eps_high, dual_clip=p.dual_clip,
+          kl_max=e.kl_max, kl_tolerance=e.cache_tolerance if e.reference == "cached" else 0.0,
+          eps_low=p.eps_low, eps_high=p.eps_high, dual_clip=p.dual_clip,
           loss_aggregation=p.loss_aggregation, kl_aggregation=e.kl_aggregation, entropy_NxS=entropy,
           entropy_coef=p.entropy_coef, denominators=denominators)
       pieces.update(diagnostics.pg_diagnostics(logp, old, mb["adv"], loss_mask(mb), p.eps_low, p.eps_high,
                                                p.dual_clip))
       pieces.update(diagnostics.erpo_diagnostics(
-          logp, mb.get("metric_ref_logp", mb["ref_logp"]), mb["query_mask"], mb["response_mask"], w, log_ratio_clamp=e.log_ratio_clamp,
-          kl_max=e.kl_max, kl_aggregation=e.kl_aggregation))
+          logp, mb.get("metric_ref_logp", mb["ref_logp"]), mb["query_mask"], mb["response_mask"], w,
+          log_ratio_clamp=e.log_ratio_clamp, kl_max=e.kl_max, kl_aggregation=e.kl_aggregation))
       return loss, pieces
 
     rows = {"tokens": batch.tokens, "prompt_mask": batch.prompt_mask, "query_mask": batch.query_mask,
