@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "TPU v4/v5/v6e)")
   p.add_argument("--peak-bandwidth", type=positive_float, default=None, metavar="BYTES/S",
                  help="the device's data-sheet memory bandwidth, for the decode floor (known: as --peak-flops)")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="step: also trace one update of each variant into DIR/<variant>_shared_prefix_<on|off>/ "
+                      "(trace/, ops.json, ops.txt: each XLA op's time and matmul FLOP/s)")
 
   p = sub.add_parser("experiment", help="ablation: train variants x seeds, evaluate each, write report.md and plots")
   _add_common(p)
@@ -157,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       choices = ", ".join(repr(w) for w in BENCH_WHAT)
       parser.error(f"argument what: invalid choice: {args.what!r} (choose from {choices})")
     args.overrides, args.what = [args.what, *args.overrides], "all"
+  if args.command == "bench" and args.profile is not None and args.what not in ("step", "all"):
+    parser.error(f"argument --profile: traces the update: use it with bench step or bench all, not {args.what}")
   if args.command == "bench" and args.against is not None and args.what not in ("rl", "all"):
     parser.error(f"argument --against: compares whole RL steps: use it with bench rl or bench all, not {args.what}")
   args.overrides = [*args.overrides, *rest]
@@ -174,6 +179,9 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command == "bench" and args.against is not None:
     from erpo_jax.bench.peer import load_peer
     against = load_peer(args.against)  # a bad peer file fails now, not after the measurements
+  if args.command == "bench" and args.profile is not None:
+    from erpo_jax.bench.profile import make_folder
+    make_folder(args.profile)  # an unwritable folder fails now, not after the timings
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)
@@ -205,7 +213,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from erpo_jax.bench.run import run_bench
     run_bench(cfg, what=args.what, iters=args.iters, warmup=args.warmup, against=against, out=args.out,
               variants=args.variants, shared_prefix=args.shared_prefix, peak_flops=args.peak_flops,
-              peak_bandwidth=args.peak_bandwidth)
+              peak_bandwidth=args.peak_bandwidth, profile=args.profile)
   elif args.command == "experiment":
     from erpo_jax.experiment.runner import run_experiment, write_partial_report
     if args.report_only:

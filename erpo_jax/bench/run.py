@@ -69,7 +69,7 @@ def step_variant(cfg: Config, variant: str, shared_prefix: bool | None) -> Confi
 
 
 def run_worker(kind: str, cfg: Config | list[Config] | None, *, iters: int, warmup: int,
-               tmp: str) -> dict[str, Any]:
+               tmp: str, out: str | None = None) -> dict[str, Any]:
   """Runs erpo_jax.bench.worker in a fresh Python process; its output goes to our stderr.
 
   Returns its record, or {"error": ...} when it failed (the bench goes on).
@@ -85,7 +85,7 @@ def run_worker(kind: str, cfg: Config | list[Config] | None, *, iters: int, warm
       f.write(dump_config(c))
   with open(spec_path, "w", encoding="utf-8") as f:
     config = cfg_paths if isinstance(cfg, list) else (cfg_paths[0] if cfg_paths else None)
-    json.dump({"kind": kind, "config": config, "iters": iters, "warmup": warmup}, f)
+    json.dump({"kind": kind, "config": config, "iters": iters, "warmup": warmup, "out": out}, f)
   out_path = f"{stem}.out.json"
   # stdout=2: whatever the worker prints (logs, progress) stays off our stdout, which holds only JSON lines.
   proc = subprocess.run([sys.executable, "-m", "erpo_jax.bench.worker", spec_path, out_path], stdout=2,
@@ -124,6 +124,27 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
       rec.update({"peak_rss_bytes": mem["peak_rss_bytes"], "peak_device_bytes": mem["peak_device_bytes"],
                   "alone_first_call_s": mem["first_call_s"], "alone_load_avg": mem["load_avg_end"]})
     yield rec
+
+
+def profile_records(cfg: Config, *, warmup: int, tmp: str, device: dict[str, Any], folder: str,
+                    variants: str = "abcd", shared_prefix: str = "both"):
+  """Yields one `profile/...` line per step variant: a traced update written to folder/<variant>_shared_prefix_<on|off>
+  (bench/profile.py), with the matmul ops' FLOP/s over the matmul peak (`matmul_utilisation`)."""
+  for sp in SHARED_PREFIX[shared_prefix]:
+    for v in (v for v in STEP_VARIANTS if v in variants):
+      tag = f"{v}/shared_prefix_{'on' if sp else 'off'}"
+      rec: dict[str, Any] = {"name": f"profile/{tag}", "variant": v, "label": STEP_VARIANTS[v][0],
+                             "shared_prefix": sp}
+      got = run_worker("step_profile", step_variant(cfg, v, sp), iters=1, warmup=warmup, tmp=tmp,
+                       out=os.path.join(folder, tag.replace("/", "_")))
+      rec.update(got)
+      if "error" not in got:
+        with_utilisation(rec, device, "matmul_flops_per_s", "matmul_utilisation")
+        table = os.path.join(rec["dir"], "ops.txt")
+        print(f"bench profile {tag}: {rec['wall_s']:.2f} s, matmul ops {rec['matmul_s']:.2f} s "
+              f"at {rec['matmul_flops_per_s'] / 1e9 if rec['matmul_flops_per_s'] else 0:.1f} GFLOP/s, other ops "
+              f"{rec['other_s']:.2f} s; every op: {table}", file=sys.stderr, flush=True)
+      yield rec
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,7 +212,7 @@ def emit(rec: dict[str, Any], out: str | None = None) -> None:
 def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmup: int | None = None,
               against: dict[str, Any] | None = None, out: str | None = None, variants: str = "abcd",
               shared_prefix: str = "both", peak_flops: float | None = None,
-              peak_bandwidth: float | None = None) -> list[dict[str, Any]]:
+              peak_bandwidth: float | None = None, profile: str | None = None) -> list[dict[str, Any]]:
   """Prints one JSON line per measurement and a summary line; returns the same records, summary last.
 
   against: a peer's figures (bench_peer.load_peer), compared with the rl
@@ -200,7 +221,8 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
   variants to run (letters of STEP_VARIANTS) and with which model.shared_prefix
   (off, on, both). peak_flops, peak_bandwidth: the device's
   data-sheet bfloat16 FLOP/s and memory bytes/s for MFU and floors, where
-  bench/machine.py does not know its device_kind.
+  bench/machine.py does not know its device_kind. profile: with step, a folder
+  that receives one traced update of each variant (profile_records), after the timings.
   """
   if what not in WHAT:
     raise ValueError(f"bench: what must be one of {WHAT}, got {what!r}")
@@ -225,6 +247,10 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
         for rec in step_records(cfg, iters=n, warmup=w, tmp=tmp, device=device, variants=variants,
                                 shared_prefix=shared_prefix):
           record(rec.pop("name"), rec)
+        if profile is not None:
+          for rec in profile_records(cfg, warmup=w, tmp=tmp, device=device, folder=profile, variants=variants,
+                                     shared_prefix=shared_prefix):
+            record(rec.pop("name"), rec)
       elif kind == "rollout":
         rec = run_worker("rollout", cfg, iters=n, warmup=w, tmp=tmp)
         with_utilisation(rec, device, "prefill_flops_per_s", "prefill_utilisation")

@@ -28,6 +28,7 @@ from flax import nnx
 
 from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
+from erpo_jax.bench import profile as bench_profile
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.train import optim
@@ -254,3 +255,17 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   first = bench_probe.timed(lambda: run_once(inp, v), iters=1, warmup=0)
   return {"first_call_s": first[0], "compile_s": v.compile_s, **compiled_memory(v.compiled),
           **bench_probe.peak_memory(), "load_avg_start": load0, "load_avg_end": bench_probe.load_average()}
+
+
+def profile_step(cfg, out_dir: str, *, warmup: int) -> dict[str, Any]:
+  """One traced update of cfg's variant after `warmup` (at least one) untimed ones: bench_profile.profile_call's
+  totals and slowest ops, with the batch's shape and the FLOPs bench_flops counts for the same update."""
+  model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
+  inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                       with_reference=cfg.erpo.reference == "forward")
+  v = build_variant(inp, cfg)
+  for _ in range(max(1, warmup)):
+    jax.block_until_ready(run_once(inp, v))
+  rec = bench_profile.profile_call(lambda: run_once(inp, v), v.compiled.as_text(), out_dir)
+  return {**inp.shape, **rec, "flops_counted": step_flops(model.cfg, inp, v), "dtype": cfg.model.dtype,
+          **bench_probe.device_info()}

@@ -1,7 +1,7 @@
 """One bench measurement in a fresh process: `python -m erpo_jax.bench.worker SPEC.json OUT.json`.
 
-SPEC holds {"kind": device|steps|step_memory|rollout|greedy|rl, "config": a
-YAML file (a list of them for steps), "iters": int, "warmup": int}; OUT
+SPEC holds {"kind": device|steps|step_memory|step_profile|rollout|greedy|rl, "config": a
+YAML file (a list of them for steps), "iters": int, "warmup": int, and for step_profile "out": a folder}; OUT
 receives the measurement's JSON record. A process per measurement makes its
 peak memory (ru_maxrss, the device's peak_bytes_in_use) that of this
 measurement alone. Each uses the persistent compilation cache as the CLI
@@ -20,7 +20,7 @@ from erpo_jax import compile_cache
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.bench.rl import measure_rl
 from erpo_jax.bench.rollout import measure_greedy, measure_sampler
-from erpo_jax.bench.step import measure_step_memory, measure_steps
+from erpo_jax.bench.step import measure_step_memory, measure_steps, profile_step
 from erpo_jax.config_io import load_config
 
 
@@ -39,8 +39,9 @@ def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
   return record
 
 
-def measure(kind: str, cfg, *, iters: int, warmup: int) -> dict:
-  """The record of one measurement, run in this process; cfg is a list of configs for `steps`."""
+def measure(kind: str, cfg, *, iters: int, warmup: int, out: str | None = None) -> dict:
+  """The record of one measurement, run in this process; cfg is a list of configs for `steps`; `out` is
+  step_profile's folder."""
 
   if kind == "device":
     return {**bench_probe.device_peaks(), **bench_probe.device_info(), "load_avg": bench_probe.load_average()}
@@ -48,6 +49,8 @@ def measure(kind: str, cfg, *, iters: int, warmup: int) -> dict:
     return with_local_peaks(measure_steps(cfg, iters=iters, warmup=warmup), bandwidth=False)
   if kind == "step_memory":
     return measure_step_memory(cfg)
+  if kind == "step_profile":
+    return with_local_peaks(profile_step(cfg, out, warmup=warmup), bandwidth=False)
   if kind == "rollout":
     return with_local_peaks(measure_sampler(cfg, iters=iters, warmup=warmup), bandwidth=True)
   if kind == "greedy":
@@ -66,7 +69,7 @@ def main(argv: list[str]) -> int:
     compile_cache.setup()
   paths = spec["config"]
   cfg = [load_config(p) for p in paths] if isinstance(paths, list) else (load_config(paths) if paths else None)
-  record = measure(spec["kind"], cfg, iters=spec["iters"], warmup=spec["warmup"])
+  record = measure(spec["kind"], cfg, iters=spec["iters"], warmup=spec["warmup"], out=spec.get("out"))
   record["compile_cache"] = compile_cache.stats()
   with open(out_path, "w", encoding="utf-8") as f:
     json.dump(record, f)

@@ -1,0 +1,226 @@
+"""Where a jitted program's time goes: one traced call, each XLA op's time, and the matmul FLOPs of each op.
+
+    erpo-jax bench step --config configs/bench_reference.yaml --variants c --shared-prefix on --profile DIR
+
+writes, for each step variant, DIR/<variant>/ with the profiler's trace (`trace/`: open it in Perfetto or
+TensorBoard's profile plugin), `ops.json` (every op the trace timed, slowest first) and `ops.txt` (the same as a
+table), and the bench prints one `profile/...` JSON line: the call's wall time, the time of matmul ops and of the
+rest, and the matmul FLOP/s achieved inside the matmul ops.
+
+An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
+(XLA's CPU thunks, GPU kernels carry it as `hlo_op`). Its FLOPs are those of the dots it computes, fused or not,
+counted from the shapes in the compiled HLO: 2 x output elements x contracted size per dot. Ops run
+concurrently where the program allows it, so their times may add up to more than the wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import time
+from typing import Any, Callable
+
+import jax
+
+from erpo_jax.errors import PathError
+
+# `%name = f32[2,3]{1,0} op(...)` or `name = (f32[2], s32[]) op(...)`; the shape may be a tuple.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?|\(.*?\))\s+([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_DIMS = re.compile(r"^\w+\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([^}]*?)\}?(?:,\s*\w+=|$)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  shape: str  # as printed, e.g. f32[2048,576]{1,0}
+  opcode: str
+  rest: str  # operands and attributes
+  computation: str
+
+
+def _dims(shape: str) -> list[int] | None:
+  m = _DIMS.match(shape)
+  return None if m is None else [int(x) for x in m.group(1).split(",") if x]
+
+
+def parse_hlo(text: str) -> tuple[dict[str, Instruction], dict[str, list[str]]]:
+  """(instructions by name, instruction names by computation) of an HLO module's text."""
+  instrs: dict[str, Instruction] = {}
+  comps: dict[str, list[str]] = collections.defaultdict(list)
+  current = ""
+  for line in text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and "=" not in line.split("(")[0]:
+      current = m.group(1)
+      continue
+    m = _INSTR.match(line)
+    if m:
+      ins = Instruction(m.group(1), m.group(2), m.group(3), m.group(4), current)
+      instrs[ins.name] = ins
+      comps[current].append(ins.name)
+  return instrs, dict(comps)
+
+
+def _operands(rest: str) -> list[str]:
+  """The operand names of an instruction (up to the closing parenthesis of its operand list)."""
+  depth, end = 1, len(rest)
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    depth -= ch == ")"
+    if depth == 0:
+      end = i
+      break
+  names = []
+  for part in rest[:end].split(","):
+    part = part.strip()
+    if part:
+      names.append(part.split(" ")[-1].lstrip("%"))
+  return names
+
+
+def dot_flops(ins: Instruction, instrs: dict[str, Instruction]) -> float:
+  """2 x output elements x contracted elements of one dot instruction (0 when a shape is unknown)."""
+  out = _dims(ins.shape)
+  ops = _operands(ins.rest)
+  lhs = instrs.get(ops[0]) if ops else None
+  m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+  if out is None or lhs is None or m is None or _dims(lhs.shape) is None:
+    return 0.0
+  lhs_dims = _dims(lhs.shape)
+  contracted = math.prod(lhs_dims[int(i)] for i in m.group(1).split(",") if i)
+  return 2.0 * math.prod(out) * contracted
+
+
+def _called(ins: Instruction) -> list[str]:
+  out = []
+  for m in _CALLS.finditer(ins.rest):
+    out += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+  return out
+
+
+def op_flops(name: str, instrs: dict[str, Instruction], comps: dict[str, list[str]]) -> float:
+  """Matmul FLOPs of one execution of op `name`: its own dot, or the dots of the fusion it calls.
+
+  Loops (while) and calls are not followed: their bodies' ops are timed, and counted, as ops of their own.
+  """
+  ins = instrs.get(name)
+  if ins is None:
+    return 0.0
+  if ins.opcode == "dot":
+    return dot_flops(ins, instrs)
+  if ins.opcode != "fusion":
+    return 0.0
+  total, todo, seen = 0.0, list(_called(ins)), set()
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for n in comps.get(comp, []):
+      sub = instrs[n]
+      if sub.opcode == "dot":
+        total += dot_flops(sub, instrs)
+      elif sub.opcode == "fusion":
+        todo += _called(sub)
+  return total
+
+
+def trace_op_times(trace_dir: str | pathlib.Path, op_names: set[str]) -> dict[str, tuple[float, int]]:
+  """{op: (seconds, executions)} from the Perfetto trace the profiler wrote under trace_dir."""
+  files = sorted(glob.glob(str(pathlib.Path(trace_dir) / "**" / "*.trace.json.gz"), recursive=True))
+  if not files:
+    raise RuntimeError(f"profile: no *.trace.json.gz under {trace_dir}")
+  with gzip.open(files[-1], "rt", encoding="utf-8") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    name = e.get("name", "")
+    if name not in op_names:
+      name = (e.get("args") or {}).get("hlo_op", name)
+    if name in op_names:
+      out[name][0] += float(e.get("dur", 0.0)) * 1e-6
+      out[name][1] += 1
+  return {k: (v[0], int(v[1])) for k, v in out.items()}
+
+
+def op_table(hlo_text: str, times: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
+  """One row per timed op, slowest first: seconds, executions, matmul FLOPs, FLOP/s, shape and source op."""
+  instrs, comps = parse_hlo(hlo_text)
+  rows = []
+  for name, (seconds, count) in times.items():
+    ins = instrs[name]
+    flops = op_flops(name, instrs, comps) * count
+    src = _OP_NAME.search(ins.rest)
+    rows.append({"op": name, "kind": "matmul" if flops else "other", "seconds": seconds, "count": count,
+                 "flops": flops, "flops_per_s": flops / seconds if flops and seconds > 0 else None,
+                 "shape": ins.shape.split("{")[0], "opcode": ins.opcode, "source": src.group(1) if src else ""})
+  rows.sort(key=lambda r: -r["seconds"])
+  return rows
+
+
+def summarise(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+  """Totals over the op table: time in matmul ops and in the rest, matmul FLOPs and their rate."""
+  mm = [r for r in rows if r["kind"] == "matmul"]
+  matmul_s = sum(r["seconds"] for r in mm)
+  flops = sum(r["flops"] for r in mm)
+  ops_s = sum(r["seconds"] for r in rows)
+  return {"wall_s": wall_s, "ops_s": ops_s, "matmul_s": matmul_s, "other_s": ops_s - matmul_s,
+          "matmul_share": matmul_s / ops_s if ops_s else None, "matmul_flops": flops,
+          "matmul_flops_per_s": flops / matmul_s if matmul_s else None,
+          "flops_per_wall_s": flops / wall_s if wall_s else None, "ops": len(rows)}
+
+
+def format_table(rows: list[dict[str, Any]], top: int = 30) -> str:
+  lines = [f"{'ms':>9} {'count':>6} {'GFLOP':>8} {'GFLOP/s':>8}  {'op':28} {'shape':26} source"]
+  for r in rows[:top]:
+    rate = f"{r['flops_per_s'] / 1e9:8.1f}" if r["flops_per_s"] else f"{'':8}"
+    lines.append(f"{r['seconds'] * 1e3:9.1f} {r['count']:6d} {r['flops'] / 1e9:8.2f} {rate}  {r['op'][:28]:28} "
+                 f"{r['shape'][:26]:26} {r['source'][-70:]}")
+  return "\n".join(lines)
+
+
+def make_folder(path: str) -> None:
+  """Creates the --profile folder, or raises a one-line PathError naming it."""
+  try:
+    pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise PathError(f"--profile '{path}': {e.strerror or e}; give a folder you can write") from None
+  if not os.access(path, os.W_OK):
+    raise PathError(f"--profile '{path}': not writable; give a folder you can write")
+
+
+def profile_call(run: Callable[[], Any], hlo_text: str, out_dir: str | pathlib.Path) -> dict[str, Any]:
+  """Traces one call of `run` (already compiled and warmed up), writes trace/, ops.json and ops.txt into
+  out_dir, and returns summarise()'s totals with the ten slowest ops."""
+  out = pathlib.Path(out_dir)
+  trace_dir = out / "trace"
+  shutil.rmtree(trace_dir, ignore_errors=True)
+  out.mkdir(parents=True, exist_ok=True)
+  jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+  try:
+    t0 = time.perf_counter()
+    jax.block_until_ready(run())
+    wall = time.perf_counter() - t0
+  finally:
+    jax.profiler.stop_trace()
+  instrs, _ = parse_hlo(hlo_text)
+  rows = op_table(hlo_text, trace_op_times(trace_dir, set(instrs)))
+  totals = summarise(rows, wall)
+  (out / "ops.json").write_text(json.dumps({"totals": totals, "ops": rows}, indent=1) + "\n")
+  (out / "ops.txt").write_text(format_table(rows, top=len(rows)) + "\n")
+  return {**totals, "dir": str(out),
+          "top": [{k: r[k] for k in ("op", "seconds", "count", "flops_per_s", "shape", "source")} for r in rows[:10]]}

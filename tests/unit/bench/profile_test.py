@@ -1,0 +1,101 @@
+"""`bench step --profile`: matmul FLOPs per op counted from the compiled HLO, times from the profiler's trace."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tiny_runs
+from erpo_jax import cli
+from erpo_jax.bench import profile
+from erpo_jax.bench import run as bench_run
+from erpo_jax.bench import step as bench_step
+from erpo_jax.config_io import load_config
+
+TINY = os.path.join(str(tiny_runs.REPO), "configs", "tiny.yaml")
+
+
+def _profile(fn, args, out):
+  compiled = jax.jit(fn).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))
+  return profile.profile_call(lambda: compiled(*args), compiled.as_text(), out)
+
+
+def test_matmul_flops_of_a_traced_call_equal_a_hand_count(tmp_path):
+  k = jax.random.split(jax.random.key(0), 5)
+  a, b, c = (jax.random.normal(k[0], (64, 128)), jax.random.normal(k[1], (128, 256)),
+             jax.random.normal(k[2], (256, 32)))
+  x, y = jax.random.normal(k[3], (4, 16, 32)), jax.random.normal(k[4], (4, 32, 48))
+
+  def fn(a, b, c, x, y):
+    return jnp.sum(jnp.tanh(a @ b) @ c) + jnp.sum(jnp.einsum("bij,bjk->bik", x, y))
+
+  got = _profile(fn, (a, b, c, x, y), tmp_path)
+  # 2 * out elements * contracted size: [64,256] over 128, [64,32] over 256, [4,16,48] over 32.
+  assert got["matmul_flops"] == 2 * 64 * 256 * 128 + 2 * 64 * 32 * 256 + 2 * 4 * 16 * 48 * 32
+  assert got["matmul_s"] > 0 and got["wall_s"] > 0 and got["matmul_flops_per_s"] > 0
+  saved = json.loads((tmp_path / "ops.json").read_text())
+  assert saved["totals"]["matmul_flops"] == got["matmul_flops"]
+  seconds = [r["seconds"] for r in saved["ops"]]
+  assert seconds == sorted(seconds, reverse=True) and (tmp_path / "ops.txt").read_text().startswith("       ms")
+
+
+def test_an_op_inside_a_loop_is_counted_once_per_execution(tmp_path):
+  h0, w = jnp.ones((64, 64)) * 0.01, jnp.eye(64) * 0.5
+
+  def fn(h, w):
+    return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), h)
+
+  got = _profile(fn, (h0, w), tmp_path)
+  assert got["matmul_flops"] == 3 * 2 * 64 ** 3
+  assert any(r["count"] == 3 and r["flops"] == 3 * 2 * 64 ** 3 for r in
+             json.loads((tmp_path / "ops.json").read_text())["ops"])
+
+
+def test_hlo_dot_flops_follow_fusions_and_skip_unknown_ops():
+  text = """HloModule m
+
+%fused_computation (param_0: f32[8,16], param_1: f32[16,4]) -> f32[8,4] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,4]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  %dot.2 = f32[16,16]{1,0} dot(%a, %a), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %fusion.3 = f32[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation, metadata={op_name="x"}
+}
+"""
+  instrs, comps = profile.parse_hlo(text)
+  assert profile.op_flops("fusion.3", instrs, comps) == 2 * 8 * 4 * 16
+  assert profile.op_flops("dot.2", instrs, comps) == 2 * 16 * 16 * 8
+  assert profile.op_flops("a", instrs, comps) == 0 and profile.op_flops("missing", instrs, comps) == 0
+  rows = profile.op_table(text, {"fusion.3": (0.002, 2), "a": (0.001, 1)})
+  assert [(r["op"], r["kind"], r["flops"], r["source"]) for r in rows] == [
+      ("fusion.3", "matmul", 2 * 2 * 8 * 4 * 16, "x"), ("a", "other", 0.0, "")]
+  assert profile.summarise(rows, 0.004)["matmul_share"] == pytest.approx(2 / 3)
+
+
+def test_a_profiled_tiny_update_counts_the_matmul_work_of_the_step(tmp_path):
+  cfg = bench_run.step_variant(load_config(TINY), "c", False)
+  rec = bench_step.profile_step(cfg, str(tmp_path / "c"), warmup=1)
+  # Policy forward + backward (3 forwards), reference forward, and the lm-head chunks recomputed in the
+  # backward: the traced dots hold at least the counted work and less than 1.5 times it.
+  assert rec["flops_counted"] <= rec["matmul_flops"] < 1.5 * rec["flops_counted"]
+  assert rec["wall_s"] > 0 and rec["ops"] > 10 and len(rec["top"]) == 10
+  assert list((tmp_path / "c" / "trace").rglob("*.trace.json.gz"))
+
+
+def test_cli_profile_needs_the_step_measurement_and_a_writable_folder(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "rollout", "--config", "configs/tiny.yaml", "--profile", str(tmp_path)])
+  assert e.value.code == 2 and "use it with bench step or bench all, not rollout" in capsys.readouterr().err
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  assert cli.main(["bench", "step", "--config", "configs/tiny.yaml", "--profile", str(blocker / "p")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"--profile '{blocker / 'p'}'" in err and "give a folder you can write" in err
