@@ -9,7 +9,7 @@ rest, and the matmul FLOP/s achieved inside the matmul ops.
 
 An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
 (XLA's CPU thunks, GPU kernels carry it as `hlo_op`). Its FLOPs are those of the dots it computes, fused or not,
-counted from the shapes in the compiled HLO: 2 x output elements x contracted size per dot. Ops run
+or of the cuBLAS gemm it calls, counted from the shapes in the compiled HLO: 2 x output elements x contracted size. Ops run
 concurrently where the program allows it, so their times may add up to more than the wall time.
 """
 
@@ -89,16 +89,24 @@ def _operands(rest: str) -> list[str]:
   return names
 
 
+def _is_gemm_call(ins: Instruction) -> bool:
+  """A library matmul: cuBLAS / cuBLASLt gemm custom-calls on GPU (their dot dimensions in backend_config)."""
+  return ins.opcode == "custom-call" and re.search(r'custom_call_target="__cublas[^"]*(gemm|matmul)', ins.rest) is not None
+
+
 def dot_flops(ins: Instruction, instrs: dict[str, Instruction]) -> float:
-  """2 x output elements x contracted elements of one dot instruction (0 when a shape is unknown)."""
-  out = _dims(ins.shape)
+  """2 x output elements x contracted elements of one dot (or gemm custom-call); 0 when a shape is unknown."""
+  shape = ins.shape.lstrip("(")  # a gemm custom-call returns (result, workspace)
+  out = _dims(shape)
   ops = _operands(ins.rest)
   lhs = instrs.get(ops[0]) if ops else None
   m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+  if m is None:  # backend_config JSON: "lhs_contracting_dimensions":["1"]
+    m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
   if out is None or lhs is None or m is None or _dims(lhs.shape) is None:
     return 0.0
   lhs_dims = _dims(lhs.shape)
-  contracted = math.prod(lhs_dims[int(i)] for i in m.group(1).split(",") if i)
+  contracted = math.prod(lhs_dims[int(i.strip('"'))] for i in m.group(1).split(",") if i.strip('"'))
   return 2.0 * math.prod(out) * contracted
 
 
@@ -117,7 +125,7 @@ def op_flops(name: str, instrs: dict[str, Instruction], comps: dict[str, list[st
   ins = instrs.get(name)
   if ins is None:
     return 0.0
-  if ins.opcode == "dot":
+  if ins.opcode == "dot" or _is_gemm_call(ins):
     return dot_flops(ins, instrs)
   if ins.opcode != "fusion":
     return 0.0
@@ -129,7 +137,7 @@ def op_flops(name: str, instrs: dict[str, Instruction], comps: dict[str, list[st
     seen.add(comp)
     for n in comps.get(comp, []):
       sub = instrs[n]
-      if sub.opcode == "dot":
+      if sub.opcode == "dot" or _is_gemm_call(sub):
         total += dot_flops(sub, instrs)
       elif sub.opcode == "fusion":
         todo += _called(sub)

@@ -80,6 +80,21 @@ ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
   assert profile.summarise(rows, 0.004)["matmul_share"] == pytest.approx(2 / 3)
 
 
+def test_a_cublas_gemm_custom_call_counts_its_dot_dimensions():
+  text = """ENTRY %main (a: f32[64,32], b: f32[32,16]) -> f32[64,16] {
+  %a = f32[64,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  %gemm.1 = (f32[64,16]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", """ \
+      """backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":""" \
+      """["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %gte = f32[64,16]{1,0} get-tuple-element(%gemm.1), index=0
+}
+"""
+  instrs, comps = profile.parse_hlo(text)
+  assert profile.op_flops("gemm.1", instrs, comps) == 2 * 64 * 16 * 32
+  assert profile.op_flops("gte", instrs, comps) == 0
+
+
 def test_a_profiled_tiny_update_counts_the_matmul_work_of_the_step(tmp_path):
   cfg = bench_run.step_variant(load_config(TINY), "c", False)
   rec = bench_step.profile_step(cfg, str(tmp_path / "c"), warmup=1)
