@@ -9,8 +9,8 @@ rest, and the matmul FLOP/s achieved inside the matmul ops.
 
 An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
 (XLA's CPU thunks, GPU kernels carry it as `hlo_op`). Its FLOPs are those of the dots it computes, fused or not,
-or of the cuBLAS gemm it calls, counted from the shapes in the compiled HLO: 2 x output elements x contracted size. Ops run
-concurrently where the program allows it, so their times may add up to more than the wall time.
+or of the cuBLAS gemm it calls, counted from the shapes in the compiled HLO: 2 x output elements x contracted size.
+Ops run concurrently where the program allows it, so their times may add up to more than the wall time.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def _operands(rest: str) -> list[str]:
 
 def _is_gemm_call(ins: Instruction) -> bool:
   """A library matmul: cuBLAS / cuBLASLt gemm custom-calls on GPU (their dot dimensions in backend_config)."""
-  return ins.opcode == "custom-call" and re.search(r'custom_call_target="__cublas[^"]*(gemm|matmul)', ins.rest) is not None
+  gemm = re.search(r'custom_call_target="__cublas[^"]*(gemm|matmul)', ins.rest)
+  return ins.opcode == "custom-call" and gemm is not None
 
 
 def dot_flops(ins: Instruction, instrs: dict[str, Instruction]) -> float:

@@ -85,8 +85,9 @@ def test_a_cublas_gemm_custom_call_counts_its_dot_dimensions():
   %a = f32[64,32]{1,0} parameter(0)
   %b = f32[32,16]{1,0} parameter(1)
   %gemm.1 = (f32[64,16]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", """ \
-      """backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":""" \
-      """["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+      """backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":""" \
+      """{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],""" \
+      """"rhs_batch_dimensions":[]}}}
   ROOT %gte = f32[64,16]{1,0} get-tuple-element(%gemm.1), index=0
 }
 """

@@ -223,8 +223,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
     from erpo_jax.train import batch as batch_lib
     out = {{}}
     batch = t.make_batch()
+    meshes, packed_meshes = ([tuple(m) for m in json.loads(a)] for a in sys.argv[1:3])
     for name, (overrides, shapes) in t.SHARDED_SETTINGS.items():
-      for shape in shapes:
+      for shape in [s for s in shapes if s in meshes]:
         d, f, tp = shape
         cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}", *overrides)
         devices = jax.devices()[:d * f * tp]
@@ -237,7 +238,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
                    "data.batch_size=4"]
     batch = t.make_batch(n=4 * t.G)
     resp_len = np.minimum(np.asarray(batch.response_mask).sum(axis=1), 16)
-    for shape in t.PACKED_SHAPES:
+    for shape in [s for s in t.PACKED_SHAPES if s in packed_meshes]:
       d, f, tp = shape
       cfg = t.tiny_cfg(f"mesh.data={{d}}", f"mesh.fsdp={{f}}", f"mesh.tensor={{tp}}", *packed_caps)
       devices = jax.devices()[:d * f * tp]
@@ -261,15 +262,32 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_step_equals_one_device_on_8_cpu_devices():
+  # The most general mesh (data x fsdp x tensor) for every setting; packed, also 8 batch shards, which cannot
+  # pack whole groups. The slow sibling runs every mesh.
+  _check_sharded_steps([(1, 1, 1), (2, 2, 2)], [(1, 1, 1), (2, 2, 2), (8, 1, 1)])
+
+
+@pytest.mark.slow
+def test_sharded_step_equals_one_device_on_every_mesh():
+  _check_sharded_steps(sorted({s for _, ss in SHARDED_SETTINGS.values() for s in ss}), list(PACKED_SHAPES))
+
+
+def _check_sharded_steps(meshes, packed_meshes):
+  """The step on each of `meshes` (8 CPU devices; (1, 1, 1) first) equals the one-device step for every setting
+  of SHARDED_SETTINGS that lists the mesh, and the packed step on each of `packed_meshes` equals its one-device
+  step."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   code = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__))
-  res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+  res = subprocess.run([sys.executable, "-c", code, json.dumps(meshes), json.dumps(packed_meshes)], env=env,
+                       capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
   assert out["rloo_dapo (1, 1, 1)"]["metrics"]["loss/masked_truncated"] == pytest.approx(3 / 8)
+  compared = 0
   for name, (_, shapes) in SHARDED_SETTINGS.items():
     base = out[f"{name} (1, 1, 1)"]
-    for shape in shapes[1:]:
+    for shape in [s for s in shapes[1:] if s in meshes]:
+      compared += 1
       got = out[f"{name} {shape}"]
       for k, v in base["metrics"].items():
         assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (name, shape, k)
@@ -282,6 +300,9 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
   # 160 -> 768 each; four of 320, 320, 80, 80 -> 512 each; none on 8 shards.
   loop_capacity = {(1, 1, 1): 1024, (2, 1, 1): 768, (2, 2, 2): 512, (1, 2, 2): 768, (8, 1, 1): None}
   for shape, streams in PACKED_SHAPES.items():
+    if shape not in packed_meshes:
+      continue
+    compared += shape != (1, 1, 1)
     got = out[f"packed {shape}"]
     assert got["streams"] == streams and got["loop_capacity"] == loop_capacity[shape], shape
     if shape == (1, 1, 1):
@@ -294,6 +315,7 @@ def test_sharded_step_equals_one_device_on_8_cpu_devices():
       assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (shape, k)
     for a, b in zip(base["params"], got["params"]):
       np.testing.assert_allclose(a, b, atol=1e-5)
+  assert compared >= len(SHARDED_SETTINGS) + len(packed_meshes) - 1, compared  # each setting and packed mesh
 
 
 @pytest.mark.slow
