@@ -259,7 +259,8 @@ def measure_step_memory(cfg) -> dict[str, Any]:
 
 def profile_step(cfg, out_dir: str, *, warmup: int) -> dict[str, Any]:
   """One traced update of cfg's variant after `warmup` (at least one) untimed ones: bench_profile.profile_call's
-  totals and slowest ops, with the batch's shape and the FLOPs bench_flops counts for the same update."""
+  totals and slowest ops, with the batch's shape and the FLOPs bench_flops counts for the update in the plain
+  [N, S] layout (the shared prefix and packing run fewer)."""
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        with_reference=cfg.erpo.reference == "forward")
@@ -267,5 +268,5 @@ def profile_step(cfg, out_dir: str, *, warmup: int) -> dict[str, Any]:
   for _ in range(max(1, warmup)):
     jax.block_until_ready(run_once(inp, v))
   rec = bench_profile.profile_call(lambda: run_once(inp, v), v.compiled.as_text(), out_dir)
-  return {**inp.shape, **rec, "flops_counted": step_flops(model.cfg, inp, v), "dtype": cfg.model.dtype,
+  return {**inp.shape, **rec, "flops_plain_layout": step_flops(model.cfg, inp, v), "dtype": cfg.model.dtype,
           **bench_probe.device_info()}
