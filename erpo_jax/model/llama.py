@@ -33,12 +33,27 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
 
 
 class KVCache(NamedTuple):
-  """One layer's keys and values, [N, K, T, Dh] each (heads before slots: a row's head reads its
-  T slots as one contiguous block). A model's cache is a list of L of them: separate buffers,
-  so a decode step updates each in place."""
+  """One layer's keys [N, K, Dh, T] and values [N, K, T, Dh] (heads first: a row's head reads its
+  slots as one contiguous block). Keys put the slot axis last, so a decode step's scores are
+  Dh vector multiply-adds over T contiguous slots, not N*K tiny matmuls. A model's cache is a
+  list of L of them: separate buffers, so a decode step updates each in place."""
 
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array  # [N, K, Dh, T]
+  v: jax.Array  # [N, K, T, Dh]
+
+  @staticmethod
+  def from_prompt(k_NxPxKxDh: jax.Array, v_NxPxKxDh: jax.Array) -> "KVCache":
+    return KVCache(jnp.transpose(k_NxPxKxDh, (0, 2, 3, 1)), jnp.swapaxes(v_NxPxKxDh, 1, 2))
+
+  def with_slots(self, extra: int) -> "KVCache":
+    """The same cache with `extra` empty slots after its T."""
+    return KVCache(jnp.pad(self.k, ((0, 0), (0, 0), (0, 0), (0, extra))),
+                   jnp.pad(self.v, ((0, 0), (0, 0), (0, extra), (0, 0))))
+
+  def write(self, k_Nx1xKxDh: jax.Array, v_Nx1xKxDh: jax.Array, slot) -> "KVCache":
+    """Writes one token per row into slot `slot` (the same slot for every row), in place."""
+    return KVCache(jax.lax.dynamic_update_slice(self.k, jnp.transpose(k_Nx1xKxDh, (0, 2, 3, 1)), (0, 0, 0, slot)),
+                   jax.lax.dynamic_update_slice(self.v, jnp.swapaxes(v_Nx1xKxDh, 1, 2), (0, 0, slot, 0)))
 
 
 class Transformer(nnx.Module):
@@ -182,12 +197,10 @@ class Transformer(nnx.Module):
       q, k, v = self._qkv(h, p, cos, sin)
       o = attention(q, k, v, causal)
       h = h + dense(o, p["wo"].astype(self.dtype), 2)
-      return h + self._mlp(h, p), (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
+      return h + self._mlp(h, p), KVCache.from_prompt(k, v)
 
-    h, (k_LxNxKxPxDh, v_LxNxKxPxDh) = jax.lax.scan(layer, h, self._layer_params())
-    widen = ((0, 0), (0, 0), (0, length - P), (0, 0))
-    cache = [KVCache(jnp.pad(k_LxNxKxPxDh[i], widen), jnp.pad(v_LxNxKxPxDh[i], widen))
-             for i in range(self.cfg.num_layers)]
+    h, stacked = jax.lax.scan(layer, h, self._layer_params())
+    cache = [KVCache(stacked.k[i], stacked.v[i]).with_slots(length - P) for i in range(self.cfg.num_layers)]
     return self.final_hidden(h), cache
 
   def decode(self, tokens_N: jax.Array, positions_N: jax.Array, slot: jax.Array, attend_NxT: jax.Array,
@@ -205,9 +218,7 @@ class Transformer(nnx.Module):
     new_cache = []
     for p, c in zip(layers, cache):
       q, k, v = self._qkv(h, p, cos, sin)
-      at = (0, 0, slot, 0)  # the cache is in the compute dtype, as prefill made it
-      c = KVCache(jax.lax.dynamic_update_slice(c.k, jnp.swapaxes(k, 1, 2), at),
-                  jax.lax.dynamic_update_slice(c.v, jnp.swapaxes(v, 1, 2), at))
+      c = c.write(k, v, slot)  # the cache is in the compute dtype, as prefill made it
       o = decode_attention(q[:, 0], c.k, c.v, attend_NxT)
       h = h + dense(o, p["wo"].astype(self.dtype), 2)[:, None]
       h = h + self._mlp(h, p)
@@ -281,13 +292,17 @@ def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
   return o.reshape(N, S, H, Dh)
 
 
-def decode_attention(q_NxHxDh, k_NxKxTxDh, v_NxKxTxDh, attend_NxT):
-  """One query per row over the cache slots attend_NxT marks; float32 softmax."""
+def decode_attention(q_NxHxDh, k_NxKxDhxT, v_NxKxTxDh, attend_NxT):
+  """One query per row over the cache slots attend_NxT marks; float32 scores and softmax.
+
+  The scores are a sum over Dh of q times the keys' slot rows (T contiguous values each):
+  one fused loop, where a batched dot would run N*K matmuls of [H/K, Dh] x [Dh, T].
+  """
   N, H, Dh = q_NxHxDh.shape
-  K = k_NxKxTxDh.shape[1]
-  q = q_NxHxDh.reshape(N, K, H // K, Dh)
+  K = k_NxKxDhxT.shape[1]
   f32 = jnp.float32
-  scores = jnp.einsum("nkgd,nktd->nkgt", q, k_NxKxTxDh, preferred_element_type=f32) / math.sqrt(Dh)
+  q = q_NxHxDh.reshape(N, K, H // K, Dh).astype(f32)
+  scores = jnp.sum(q[..., None] * k_NxKxDhxT[:, :, None].astype(f32), axis=3) / math.sqrt(Dh)
   probs = jax.nn.softmax(jnp.where(attend_NxT[:, None, None, :], scores, jnp.finfo(f32).min), axis=-1)
   o = jnp.einsum("nkgt,nktd->nkgd", probs.astype(v_NxKxTxDh.dtype), v_NxKxTxDh, preferred_element_type=f32)
   return o.astype(q_NxHxDh.dtype).reshape(N, H, Dh)

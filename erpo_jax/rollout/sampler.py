@@ -160,9 +160,8 @@ class Sampler:
     h_BxPxD, cache = model.prefill(tokens_BxP, tokens_BxP.shape[1])
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    widen = ((0, 0), (0, 0), (0, self.max_new_tokens), (0, 0))
-    grow = lambda x: self._constrain(jnp.pad(jnp.repeat(x, group_size, axis=0), widen), 0)
-    cache = [KVCache(grow(c.k), grow(c.v)) for c in cache]
+    rows = lambda c: KVCache(jnp.repeat(c.k, group_size, axis=0), jnp.repeat(c.v, group_size, axis=0))
+    cache = [jax.tree.map(lambda x: self._constrain(x, 0), rows(c).with_slots(self.max_new_tokens)) for c in cache]
     return cache, self._constrain(jnp.repeat(logits_BxV, group_size, axis=0), 0)
 
   def _decode_fn(self, state, cache, logits_NxV, tokens_BxP, len_B, cut_N, key, temperature, group_id_offset,

@@ -104,7 +104,8 @@ def test_kv_cache_decode_matches_full_forward():
   full = _full_logits(graph, state, tokens)  # [N, 20, V]
   prompt = jnp.where(jnp.arange(12)[None] < lengths[:, None], tokens[:, :12], 0)
   logits, cache = _prefill(graph, state, prompt, 20)
-  assert len(cache) == net.cfg.num_layers and cache[0].k.shape == (3, net.cfg.num_kv_heads, 20, net.cfg.head_dim)
+  assert len(cache) == net.cfg.num_layers and cache[0].k.shape == (3, net.cfg.num_kv_heads, net.cfg.head_dim, 20)
+  assert cache[0].v.shape == (3, net.cfg.num_kv_heads, 20, net.cfg.head_dim)
   rows = jnp.arange(3)
   np.testing.assert_allclose(logits[rows, lengths - 1], full[rows, lengths - 1], atol=1e-5, rtol=0)
   slots = jnp.arange(20)[None]
