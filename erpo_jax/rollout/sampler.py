@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
-from erpo_jax.model.llama import KVCache
+from erpo_jax.model.kv_cache import KVCache
 from erpo_jax.rollout.sampling import sample_token
 
 
