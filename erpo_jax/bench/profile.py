@@ -166,10 +166,10 @@ def trace_op_times(trace_dir: str | pathlib.Path, op_names: set[str]) -> dict[st
   return {k: (v[0], int(v[1])) for k, v in out.items()}
 
 
-def op_table(hlo_text: str, times: dict[str, tuple[float, int]], parsed=None) -> list[dict[str, Any]]:
-  """One row per timed op, slowest first: seconds, executions, matmul FLOPs, FLOP/s, shape and source op.
-  parsed: parse_hlo(hlo_text), when the caller has it already."""
-  instrs, comps = parsed or parse_hlo(hlo_text)
+def op_table(parsed, times: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
+  """One row per timed op of parse_hlo's (instructions, computations), slowest first: seconds, executions,
+  matmul FLOPs, FLOP/s, shape and source op."""
+  instrs, comps = parsed
   rows = []
   for name, (seconds, count) in times.items():
     ins = instrs[name]
@@ -228,7 +228,7 @@ def profile_call(run: Callable[[], Any], hlo_text: str, out_dir: str | pathlib.P
   finally:
     jax.profiler.stop_trace()
   parsed = parse_hlo(hlo_text)
-  rows = op_table(hlo_text, trace_op_times(trace_dir, set(parsed[0])), parsed)
+  rows = op_table(parsed, trace_op_times(trace_dir, set(parsed[0])))
   totals = summarise(rows, wall)
   (out / "ops.json").write_text(json.dumps({"totals": totals, "ops": rows}, indent=1) + "\n")
   (out / "ops.txt").write_text(format_table(rows, top=len(rows)) + "\n")

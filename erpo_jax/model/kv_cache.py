@@ -23,6 +23,7 @@ class KVCache(NamedTuple):
 
   @staticmethod
   def from_prompt(k_NxPxKxDh: jax.Array, v_NxPxKxDh: jax.Array) -> "KVCache":
+    """P tokens' keys and values, as the projections give them, in the cache's layout."""
     return KVCache(jnp.transpose(k_NxPxKxDh, (0, 2, 3, 1)), jnp.swapaxes(v_NxPxKxDh, 1, 2))
 
   def with_slots(self, extra: int) -> "KVCache":
@@ -32,8 +33,9 @@ class KVCache(NamedTuple):
 
   def write(self, k_Nx1xKxDh: jax.Array, v_Nx1xKxDh: jax.Array, slot) -> "KVCache":
     """Writes one token per row into slot `slot` (the same slot for every row), in place."""
-    return KVCache(jax.lax.dynamic_update_slice(self.k, jnp.transpose(k_Nx1xKxDh, (0, 2, 3, 1)), (0, 0, 0, slot)),
-                   jax.lax.dynamic_update_slice(self.v, jnp.swapaxes(v_Nx1xKxDh, 1, 2), (0, 0, slot, 0)))
+    new = KVCache.from_prompt(k_Nx1xKxDh, v_Nx1xKxDh)
+    return KVCache(jax.lax.dynamic_update_slice(self.k, new.k, (0, 0, 0, slot)),
+                   jax.lax.dynamic_update_slice(self.v, new.v, (0, 0, slot, 0)))
 
 
 def decode_attention(q_NxHxDh, k_NxKxDhxT, v_NxKxTxDh, attend_NxT):

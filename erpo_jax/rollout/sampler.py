@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
-from erpo_jax.model.kv_cache import KVCache
 from erpo_jax.rollout.sampling import sample_token
 
 
@@ -160,7 +159,7 @@ class Sampler:
     h_BxPxD, cache = model.prefill(tokens_BxP, tokens_BxP.shape[1])
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    rows = lambda c: KVCache(jnp.repeat(c.k, group_size, axis=0), jnp.repeat(c.v, group_size, axis=0))
+    rows = lambda c: jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0), c)  # row b*G + g: prompt b
     cache = [jax.tree.map(lambda x: self._constrain(x, 0), rows(c).with_slots(self.max_new_tokens)) for c in cache]
     return cache, self._constrain(jnp.repeat(logits_BxV, group_size, axis=0), 0)
 

@@ -74,7 +74,7 @@ ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
   assert profile.op_flops("fusion.3", instrs, comps) == 2 * 8 * 4 * 16
   assert profile.op_flops("dot.2", instrs, comps) == 2 * 16 * 16 * 8
   assert profile.op_flops("a", instrs, comps) == 0 and profile.op_flops("missing", instrs, comps) == 0
-  rows = profile.op_table(text, {"fusion.3": (0.002, 2), "a": (0.001, 1)})
+  rows = profile.op_table(profile.parse_hlo(text), {"fusion.3": (0.002, 2), "a": (0.001, 1)})
   assert [(r["op"], r["kind"], r["flops"], r["source"]) for r in rows] == [
       ("fusion.3", "matmul", 2 * 2 * 8 * 4 * 16, "x"), ("a", "other", 0.0, "")]
   assert profile.summarise(rows, 0.004)["matmul_share"] == pytest.approx(2 / 3)
