@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.model.kv_cache import KVCache, decode_attention
+from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols
+from erpo_jax.model.kv_cache import KVCache
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -150,15 +151,9 @@ class Transformer(nnx.Module):
 
   # ------------------------------------------------------------------ KV cache
 
-  def layer_list(self) -> list[dict]:
-    """Each layer's weights as arrays of their own, for a loop that runs every layer many times.
-
-    Decoding with the layer scan would slice, i.e. copy, each layer's weights
-    out of the stacked params on every token step (the whole model per token
-    on XLA's CPU backend); these slices are made once and then read in place.
-    """
-    p = self._layer_params()
-    return [{n: w[i] for n, w in p.items()} for i in range(self.cfg.num_layers)]
+  def decode_layers(self) -> list[dict]:
+    """Each layer's weights as arrays of their own, as `decode` reads them; make them once outside a loop."""
+    return decode_layers(self._layer_params(), self.cfg.num_layers, self.dtype)
 
   def prefill(self, tokens_NxP: jax.Array, length: int) -> tuple[jax.Array, list[KVCache]]:
     """Runs right-padded prompts; returns hidden [N, P, D] and a cache of `length` >= P slots per row
@@ -186,20 +181,24 @@ class Transformer(nnx.Module):
     Each layer first writes the new key and value into cache column `slot`,
     the same column for every row (an in-place column write, no per-row
     scatter), then each row attends to the slots attend_NxT marks, which must
-    include `slot`. Pass `layers=self.layer_list()` made once outside a loop.
+    include `slot`. Pass `layers=self.decode_layers()` made once outside a loop.
     """
-    layers = self.layer_list() if layers is None else layers
-    h = self.embed_tokens(tokens_N[:, None])  # [N, 1, D]
+    hT_DxN, cache = self.decode_columns(tokens_N, positions_N, slot, attend_NxT, cache, layers)
+    # A real [N, D] array: XLA would fold the transpose into the lm-head's dot, which then leaves the
+    # fast matmul library.
+    return jax.lax.optimization_barrier(hT_DxN.T), cache
+
+  def decode_columns(self, tokens_N, positions_N, slot, attend_NxT, cache: list[KVCache],
+                     layers: list[dict] | None = None) -> tuple[jax.Array, list[KVCache]]:
+    """`decode` with the final-normed hidden states column-major, [D, N] (see model/decode.py)."""
+    layers = self.decode_layers() if layers is None else layers
+    hT_DxN = self.embed_tokens(tokens_N).T
     cos, sin = rope_tables(positions_N[:, None], self.cfg)
     new_cache = []
     for p, c in zip(layers, cache):
-      q, k, v = self._qkv(h, p, cos, sin)
-      c = c.write(k, v, slot)  # the cache is in the compute dtype, as prefill made it
-      o = decode_attention(q[:, 0], c.k, c.v, attend_NxT)
-      h = h + dense(o, p["wo"].astype(self.dtype), 2)[:, None]
-      h = h + self._mlp(h, p)
+      hT_DxN, c = decode_layer(hT_DxN, p, c, cos, sin, slot, attend_NxT, self.cfg)
       new_cache.append(c)
-    return self.final_hidden(h)[:, 0], new_cache
+    return rms_norm_cols(hT_DxN, self.final_norm[...], self.cfg.rms_norm_eps), new_cache
 
 
 # ---------------------------------------------------------------------- functions

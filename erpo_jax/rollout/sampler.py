@@ -189,7 +189,7 @@ class Sampler:
       t, _, _, _, done_N, _ = carry
       return (t < M - 1) & ~jnp.all(done_N)
 
-    layers = model.layer_list()
+    layers = model.decode_layers()
     slot_T = jnp.arange(P + M)
 
     def body(carry):

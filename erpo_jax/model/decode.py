@@ -1,0 +1,83 @@
+"""One decode token step per layer, with activations column-major: [D, N], one column per row.
+
+Dimension letters: N rows, D hidden, H query heads, K key/value heads, Dh head
+dim, F MLP width, T cache slots.
+
+A decode step multiplies N (a few dozen) rows by every weight matrix. XLA's
+CPU backend runs x [N, in] @ W [in, out] by repacking W for every call, which
+at small N costs about as much as the product; W^T [out, in] @ x^T [in, N]
+streams W in place and packs only the small x^T. So the per-layer weights are
+transposed once per `generate` (`decode_layers`), and the activations stay
+transposed through the layer; only the attention and the cache write see the
+[N, ...] layout, as small transposes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from erpo_jax.model.kv_cache import KVCache, decode_attention
+
+_NAMES = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
+
+
+def decode_layers(layer_params: dict, num_layers: int, dtype) -> list[dict]:
+  """Each layer's weights as arrays of their own, matrices as [out, in] in the compute dtype.
+
+  Decoding with the layer scan would slice, i.e. copy, each layer's weights
+  out of the stacked params on every token step; these copies are made once
+  per loop and then read in place.
+  """
+  layers = []
+  for i in range(num_layers):
+    p = {n: w[i] for n, w in layer_params.items()}
+    out = {n: p[n] for n in p if n not in _NAMES}
+    for n in _NAMES:
+      w = p[n].astype(dtype)
+      fan_in = w.shape[0] * (w.shape[1] if n == "wo" else 1)  # wo is [H, Dh, D]
+      out[n] = w.reshape(fan_in, -1).T
+    layers.append(out)
+  return layers
+
+
+def rms_norm_cols(xT_DxN: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
+  """`llama.rms_norm` of each column."""
+  x32 = xT_DxN.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + eps)
+  return (y * w_D.astype(jnp.float32)[:, None]).astype(xT_DxN.dtype)
+
+
+def rope_cols(xT_HxDhxN: jax.Array, cosT_1xDhxN: jax.Array, sinT_1xDhxN: jax.Array) -> jax.Array:
+  """`llama.apply_rope` of column-major heads (half-split layout)."""
+  x = xT_HxDhxN.astype(jnp.float32)
+  half = x.shape[1] // 2
+  rotated = jnp.concatenate([-x[:, half:], x[:, :half]], axis=1)
+  return (x * cosT_1xDhxN + rotated * sinT_1xDhxN).astype(xT_HxDhxN.dtype)
+
+
+def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Array, sin_N1x1xDh: jax.Array,
+                 slot, attend_NxT: jax.Array, cfg) -> tuple[jax.Array, KVCache]:
+  """One layer of `Transformer.decode` on hT [D, N] with `decode_layers` weights p; the new token's key and
+  value go into cache slot `slot` first. Returns (next hT, the updated cache)."""
+  D, N = hT_DxN.shape
+  H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  dt = hT_DxN.dtype
+  cosT = jnp.transpose(cos_N1x1xDh[:, 0], (1, 2, 0))  # [1, Dh, N]
+  sinT = jnp.transpose(sin_N1x1xDh[:, 0], (1, 2, 0))
+  x = rms_norm_cols(hT_DxN, p["attn_norm"], cfg.rms_norm_eps)
+  qT, kT, vT = p["wq"] @ x, p["wk"] @ x, p["wv"] @ x  # [H*Dh, N], [K*Dh, N], [K*Dh, N]
+  if cfg.attention_bias:
+    qT = qT + p["bq"].astype(dt).reshape(-1, 1)
+    kT = kT + p["bk"].astype(dt).reshape(-1, 1)
+    vT = vT + p["bv"].astype(dt).reshape(-1, 1)
+  qT = rope_cols(qT.reshape(H, Dh, N), cosT, sinT)
+  kT = rope_cols(kT.reshape(K, Dh, N), cosT, sinT)
+  rows = lambda xT_HxDhxN: jnp.transpose(xT_HxDhxN, (2, 0, 1))  # [N, H, Dh]
+  cache = cache.write(rows(kT)[:, None], rows(vT.reshape(K, Dh, N))[:, None], slot)
+  o_NxHxDh = decode_attention(rows(qT), cache.k, cache.v, attend_NxT)
+  hT_DxN = hT_DxN + p["wo"] @ o_NxHxDh.reshape(N, H * Dh).T
+  x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
+  gT, uT = p["w_gate"] @ x, p["w_up"] @ x  # [F, N]
+  return hT_DxN + p["w_down"] @ (jax.nn.silu(gT) * uT), cache
+
