@@ -96,6 +96,12 @@ class Transformer(nnx.Module):
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
     return w.astype(self.dtype)
 
+  def unembed_rows(self) -> jax.Array:
+    """[V, D] in the compute dtype, for `logits_columns`; with tied embeddings the embedding itself,
+    else a transposed copy of the lm-head (make it once outside a loop)."""
+    w = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...].T
+    return w.astype(self.dtype)
+
   def embed_tokens(self, tokens_NxS: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens_NxS, axis=0).astype(self.dtype)
 
@@ -148,6 +154,12 @@ class Transformer(nnx.Module):
   def logits(self, h_NxSxD: jax.Array) -> jax.Array:
     """Float32 logits [N, S, V]; only for small S (decode, tests)."""
     return jnp.einsum("nsd,dv->nsv", h_NxSxD, self.unembed_matrix(), preferred_element_type=jnp.float32)
+
+  def logits_columns(self, hT_DxN: jax.Array, unembed_VxD: jax.Array | None = None) -> jax.Array:
+    """Float32 logits [V, N] of column-major hidden states (`decode_columns`): E [V, D] @ h^T, which XLA's
+    CPU matmul runs without repacking E, unlike h @ E^T."""
+    w = self.unembed_rows() if unembed_VxD is None else unembed_VxD
+    return jnp.matmul(w, hT_DxN, preferred_element_type=jnp.float32)
 
   # ------------------------------------------------------------------ KV cache
 
@@ -267,12 +279,16 @@ def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
   return o.reshape(N, S, H, Dh)
 
 
-def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *, chunk: int,
+def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *, chunk: int,
                     temperature: float | jax.Array = 1.0, with_entropy: bool = False):
-  """log softmax(h W / T)[target] for M tokens, C at a time; never holds [M, V].
+  """log softmax(h W^T / T)[target] for M tokens, C at a time; never holds [M, V].
 
+  w_VxD is the unembedding as rows (`Transformer.unembed_rows`). A chunk's
+  logits are computed column-major, W [V, D] @ h^T [D, C]: XLA's CPU matmul
+  then streams W in place forward and backward and the weight gradient comes
+  out as [V, D], with no transpose of the [V, D]-sized operands.
   `temperature` is one number or one per token ([M]). Each chunk is
-  rematerialised in the backward pass, so the gradient needs only [C, V] of
+  rematerialised in the backward pass, so the gradient needs only [V, C] of
   scratch memory too. Returns (logp_M, entropy_M or None), float32.
   """
   M, D = h_MxD.shape
@@ -286,13 +302,13 @@ def token_log_probs(h_MxD: jax.Array, w_DxV: jax.Array, targets_M: jax.Array, *,
 
   @jax.checkpoint
   def one(h_CxD, t_C, temp_C):
-    logits = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32) / temp_C[:, None]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, t_C[:, None], axis=-1)[:, 0] - lse
+    logits_VxC = jnp.matmul(w_VxD, h_CxD.T, preferred_element_type=jnp.float32) / temp_C[None]
+    lse_C = jax.nn.logsumexp(logits_VxC, axis=0)
+    logp_C = jnp.take_along_axis(logits_VxC, t_C[None], axis=0)[0] - lse_C
     if not with_entropy:
-      return logp, jnp.zeros_like(logp)
-    probs = jax.nn.softmax(logits, axis=-1)
-    return logp, lse - jnp.sum(probs * logits, axis=-1)
+      return logp_C, jnp.zeros_like(logp_C)
+    probs_VxC = jax.nn.softmax(logits_VxC, axis=0)
+    return logp_C, lse_C - jnp.sum(probs_VxC * logits_VxC, axis=0)
 
   logp, ent = jax.lax.map(lambda x: one(*x), (h, t, temp))
   logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]

@@ -130,7 +130,7 @@ def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | 
   if temperature != 1.0:
     t_NxS1 = jnp.arange(1, S)[None, :]
     temperature_M = jnp.where(t_NxS1 < jnp.asarray(prompt_len_N)[:, None], 1.0, temperature).reshape(-1)
-  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_matrix(), tokens_NxS[:, 1:].reshape(-1),
+  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_rows(), tokens_NxS[:, 1:].reshape(-1),
                               chunk=chunk, temperature=temperature_M, with_entropy=with_entropy)
   zero = jnp.zeros((N, 1), jnp.float32)
   logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)

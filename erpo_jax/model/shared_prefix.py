@@ -146,7 +146,7 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   h_in_NxRxD = jnp.concatenate([h_last_NxD[:, None], hr[:, :-1]], axis=1)
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_NxRxD.reshape(-1, D)])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_NxR.reshape(-1)])
-  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(), targets_M, chunk=chunk,
                                   temperature=_split_temperature(B * (P - 1), N * R, temperature),
                                   with_entropy=with_entropy)
   logp = _to_rows(logp_M, len_N, B, G, P, R, S)
@@ -267,7 +267,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_CxD])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_C])
   split = B * (P - 1)
-  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_matrix(), targets_M, chunk=chunk,
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(), targets_M, chunk=chunk,
                                   temperature=_split_temperature(split, C, temperature), with_entropy=with_entropy)
 
   def to_layout(values_M):

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
-from erpo_jax.rollout.sampling import sample_token
+from erpo_jax.rollout.sampling import sample_token, sample_token_columns
 
 
 @struct.dataclass
@@ -177,10 +177,8 @@ class Sampler:
     G = N // B
     len_N = jnp.repeat(len_B, G)
     eos = jnp.asarray(self.eos_ids, jnp.int32)
-    draw = lambda logits, k: sample_token(logits, k, temperature, greedy=greedy, top_k=self.top_k,
-                                          top_p=self.top_p)
-
-    tok_N, logp_N = draw(logits_NxV, jax.random.fold_in(key, 0))
+    opts = dict(greedy=greedy, top_k=self.top_k, top_p=self.top_p)
+    tok_N, logp_N = sample_token(logits_NxV, jax.random.fold_in(key, 0), temperature, **opts)
     resp_NxM = self._constrain(jnp.full((N, M), self.pad_id, jnp.int32).at[:, 0].set(tok_N), 0)
     resp_logp_NxM = self._constrain(jnp.zeros((N, M), jnp.float32).at[:, 0].set(logp_N), 0)
     done_N = jnp.isin(tok_N, eos)
@@ -189,7 +187,7 @@ class Sampler:
       t, _, _, _, done_N, _ = carry
       return (t < M - 1) & ~jnp.all(done_N)
 
-    layers = model.decode_layers()
+    layers, unembed_VxD = model.decode_layers(), model.unembed_rows()
     slot_T = jnp.arange(P + M)
 
     def body(carry):
@@ -197,8 +195,9 @@ class Sampler:
       # draws token t + 1. A row attends to its prompt [0, len) and to slots [P, P + t].
       t, tok_N, resp_NxM, resp_logp_NxM, done_N, cache = carry
       attend_NxT = (slot_T[None] < len_N[:, None]) | ((slot_T[None] >= P) & (slot_T[None] <= P + t))
-      h_NxD, cache = model.decode(tok_N, len_N + t, P + t, attend_NxT, cache, layers)
-      nxt_N, logp_N = draw(model.logits(h_NxD[:, None])[:, 0], jax.random.fold_in(key, t + 1))
+      hT_DxN, cache = model.decode_columns(tok_N, len_N + t, P + t, attend_NxT, cache, layers)
+      logits_VxN = model.logits_columns(hT_DxN, unembed_VxD)
+      nxt_N, logp_N = sample_token_columns(logits_VxN, jax.random.fold_in(key, t + 1), temperature, **opts)
       live_N = ~done_N
       nxt_N = jnp.where(live_N, nxt_N, self.pad_id)
       logp_N = jnp.where(live_N, logp_N, 0.0)

@@ -1,6 +1,9 @@
 """Drawing one token per row from logits: greedy, temperature, top-k, top-p, inverse-CDF sampling.
 
-Dimension letters: N rows, V vocab.
+Dimension letters: N rows, V vocab. The decode loop's logits come column-major,
+[V, N] (the lm-head as E [V, D] @ h^T [D, N], which XLA's CPU matmul runs
+without repacking E), so the draws are written for that layout;
+`sample_token` and `categorical` take the usual [N, V].
 """
 
 from __future__ import annotations
@@ -21,50 +24,60 @@ def sample_token(logits_NxV: jax.Array, key: jax.Array, temperature, *, greedy: 
   temperature 1, top_p = 1, top_k = 0 it is the model's log-prob. Branches are
   static: the plain case sorts nothing.
   """
+  return sample_token_columns(logits_NxV.T, key, temperature, greedy=greedy, top_k=top_k, top_p=top_p)
+
+
+def sample_token_columns(logits_VxN: jax.Array, key: jax.Array, temperature, *, greedy: bool, top_k: int,
+                         top_p: float) -> tuple[jax.Array, jax.Array]:
+  """`sample_token` of column-major logits [V, N]: one draw per column."""
+  pick = lambda a_VxN, tok_N: jnp.take_along_axis(a_VxN, tok_N[None], axis=0)[0]
   if greedy:
-    tok = jnp.argmax(logits_NxV, axis=-1)
-    logp_NxV = jax.nn.log_softmax(logits_NxV, axis=-1)
-    return tok.astype(jnp.int32), jnp.take_along_axis(logp_NxV, tok[:, None], axis=-1)[:, 0]
-  x = logits_NxV / temperature
+    tok = jnp.argmax(logits_VxN, axis=0)
+    return tok.astype(jnp.int32), pick(jax.nn.log_softmax(logits_VxN, axis=0), tok)
+  x = logits_VxN / temperature
   neg_inf = jnp.finfo(x.dtype).min
-  sorted_desc = None
+  sorted_desc = None  # [N, k]: sorting runs along the last axis
   if top_k > 0:
-    sorted_desc = jax.lax.top_k(x, top_k)[0]  # [N, k], descending
-    x = jnp.where(x < sorted_desc[:, -1:], neg_inf, x)
+    sorted_desc = jax.lax.top_k(x.T, top_k)[0]
+    x = jnp.where(x < sorted_desc[:, -1][None], neg_inf, x)
   if top_p < 1.0:
     if sorted_desc is None:
-      sorted_desc = -jnp.sort(-x, axis=-1)  # the full-vocab sort only happens here
+      sorted_desc = -jnp.sort(-x.T, axis=-1)  # the full-vocab sort only happens here
     q = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(q, axis=-1) - q
     keep = jnp.sum(mass_before < top_p, axis=-1)  # >= 1: the first token has mass_before 0
-    cutoff = jnp.take_along_axis(sorted_desc, keep[:, None] - 1, axis=-1)
-    x = jnp.where(x < cutoff, neg_inf, x)
-  tok = categorical(key, x)
-  logp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tok[:, None], axis=-1)[:, 0]
-  return tok.astype(jnp.int32), logp
+    cutoff = jnp.take_along_axis(sorted_desc, keep[:, None] - 1, axis=-1)[:, 0]
+    x = jnp.where(x < cutoff[None], neg_inf, x)
+  tok = categorical_columns(key, x)
+  return tok.astype(jnp.int32), pick(jax.nn.log_softmax(x, axis=0), tok)
 
 
 def categorical(key: jax.Array, logits_NxV: jax.Array, *, block: int = 128) -> jax.Array:
-  """One draw per row from softmax(logits) by inverse CDF: one uniform per row, not V Gumbels.
+  """One draw per row from softmax(logits); see `categorical_columns`."""
+  return categorical_columns(key, logits_NxV.T, block=block)
 
-  Dimension letters: N rows, V vocab, C blocks of `block` tokens (V padded with
-  zero-mass tokens). The uniform u in [0, total mass) picks the block whose
-  cumulative mass passes u, then the token inside it: two short cumulative
-  sums instead of V random numbers (the Gumbel trick of jax.random.categorical
-  spends most of a decode step's sampling time on them). Tokens of zero
-  probability (filtered to the dtype's min) are never drawn.
+
+def categorical_columns(key: jax.Array, logits_VxN: jax.Array, *, block: int = 128) -> jax.Array:
+  """One draw per column from softmax(logits) by inverse CDF: one uniform per column, not V Gumbels.
+
+  Dimension letters: V vocab, N columns, C blocks of `block` tokens (V padded
+  with zero-mass tokens). The uniform u in [0, total mass) picks the block
+  whose cumulative mass passes u, then the token inside it: two short
+  cumulative sums instead of V random numbers (the Gumbel trick of
+  jax.random.categorical spends most of a decode step's sampling time on them).
+  Tokens of zero probability (filtered to the dtype's min) are never drawn.
   """
-  N, V = logits_NxV.shape
+  V, N = logits_VxN.shape
   C = -(-V // block)
-  x = logits_NxV.astype(jnp.float32)
-  p_NxV = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-  p_NxCxK = jnp.pad(p_NxV, ((0, 0), (0, C * block - V))).reshape(N, C, block)
-  cum_NxC = jnp.cumsum(p_NxCxK.sum(axis=-1), axis=-1)
-  u_N = jax.random.uniform(key, (N,), jnp.float32) * cum_NxC[:, -1]
-  c_N = jnp.minimum(jnp.sum(cum_NxC <= u_N[:, None], axis=-1), C - 1)
-  before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_NxC, jnp.maximum(c_N - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-  inner_NxK = jnp.cumsum(jnp.take_along_axis(p_NxCxK, c_N[:, None, None], axis=1)[:, 0], axis=-1)
+  x = logits_VxN.astype(jnp.float32)
+  p_VxN = jnp.exp(x - jnp.max(x, axis=0, keepdims=True))
+  p_CxKxN = jnp.pad(p_VxN, ((0, C * block - V), (0, 0))).reshape(C, block, N)
+  cum_CxN = jnp.cumsum(p_CxKxN.sum(axis=1), axis=0)
+  u_N = jax.random.uniform(key, (N,), jnp.float32) * cum_CxN[-1]
+  c_N = jnp.minimum(jnp.sum(cum_CxN <= u_N[None], axis=0), C - 1)
+  before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_CxN, jnp.maximum(c_N - 1, 0)[None], axis=0)[0], 0.0)
+  inner_KxN = jnp.cumsum(jnp.take_along_axis(p_CxKxN, c_N[None, None], axis=0)[0], axis=0)
   # Rounding can leave u - before at or past the block's own total: stay inside its mass.
-  r_N = jnp.minimum(u_N - before_N, inner_NxK[:, -1] * (1.0 - 2.0 ** -20))
-  k_N = jnp.sum(inner_NxK <= r_N[:, None], axis=-1)
+  r_N = jnp.minimum(u_N - before_N, inner_KxN[-1] * (1.0 - 2.0 ** -20))
+  k_N = jnp.sum(inner_KxN <= r_N[None], axis=0)
   return (c_N * block + k_N).astype(jnp.int32)

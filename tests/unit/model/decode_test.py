@@ -1,5 +1,7 @@
 """The column-major decode layer's pieces equal the row-major model's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,3 +40,12 @@ def test_decode_layers_are_each_layers_matrices_transposed_to_out_by_in():
     assert layer["w_gate"].shape == (F, D)
     np.testing.assert_array_equal(layer["bq"], p["bq"][i])  # biases and norms stay as they are
     np.testing.assert_array_equal(layer["attn_norm"], p["attn_norm"][i])
+
+
+def test_column_logits_equal_the_row_logits_tied_and_untied():
+  hT_DxN = jax.random.normal(jax.random.key(2), (32, 5))
+  for tied in (True, False):
+    m = init_random(dataclasses.replace(CFG, tie_word_embeddings=tied), seed=1)
+    rows_NxV = m.logits(hT_DxN.T[:, None])[:, 0]
+    np.testing.assert_allclose(m.logits_columns(hT_DxN).T, rows_NxV, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m.logits_columns(hT_DxN, m.unembed_rows()).T, rows_NxV, rtol=1e-5, atol=1e-5)
