@@ -91,14 +91,9 @@ class Transformer(nnx.Module):
       names += ["bq", "bk", "bv"]
     return {n: getattr(self, n)[...] for n in names}
 
-  def unembed_matrix(self) -> jax.Array:
-    """[D, V] in the compute dtype."""
-    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    return w.astype(self.dtype)
-
   def unembed_rows(self) -> jax.Array:
-    """[V, D] in the compute dtype, for `logits_columns`; with tied embeddings the embedding itself,
-    else a transposed copy of the lm-head (make it once outside a loop)."""
+    """The unembedding as [V, D] rows in the compute dtype: with tied embeddings the embedding itself, else
+    the lm-head transposed (make it once outside a loop)."""
     w = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...].T
     return w.astype(self.dtype)
 
@@ -153,7 +148,7 @@ class Transformer(nnx.Module):
 
   def logits(self, h_NxSxD: jax.Array) -> jax.Array:
     """Float32 logits [N, S, V]; only for small S (decode, tests)."""
-    return jnp.einsum("nsd,dv->nsv", h_NxSxD, self.unembed_matrix(), preferred_element_type=jnp.float32)
+    return jnp.einsum("nsd,vd->nsv", h_NxSxD, self.unembed_rows(), preferred_element_type=jnp.float32)
 
   def logits_columns(self, hT_DxN: jax.Array, unembed_VxD: jax.Array | None = None) -> jax.Array:
     """Float32 logits [V, N] of column-major hidden states (`decode_columns`): E [V, D] @ h^T, which XLA's
@@ -193,12 +188,11 @@ class Transformer(nnx.Module):
     Each layer first writes the new key and value into cache column `slot`,
     the same column for every row (an in-place column write, no per-row
     scatter), then each row attends to the slots attend_NxT marks, which must
-    include `slot`. Pass `layers=self.decode_layers()` made once outside a loop.
+    include `slot`. Pass `layers=self.decode_layers()` made once outside a loop. The sampler's loop
+    stays column-major instead: `decode_columns`, then `logits_columns`.
     """
     hT_DxN, cache = self.decode_columns(tokens_N, positions_N, slot, attend_NxT, cache, layers)
-    # A real [N, D] array: XLA would fold the transpose into the lm-head's dot, which then leaves the
-    # fast matmul library.
-    return jax.lax.optimization_barrier(hT_DxN.T), cache
+    return hT_DxN.T, cache
 
   def decode_columns(self, tokens_N, positions_N, slot, attend_NxT, cache: list[KVCache],
                      layers: list[dict] | None = None) -> tuple[jax.Array, list[KVCache]]:

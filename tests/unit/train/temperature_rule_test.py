@@ -21,7 +21,7 @@ from erpo_jax.model import llama, logprobs
 
 def hand_log_probs(model, tokens_NxS, prompt_len_N, temperature):
   """log softmax(logits) at prompt positions, log softmax(logits / T) after: the rule, without model.logprobs."""
-  logits = jnp.einsum("nsd,dv->nsv", model.hidden(tokens_NxS), model.unembed_matrix(),
+  logits = jnp.einsum("nsd,vd->nsv", model.hidden(tokens_NxS), model.unembed_rows(),
                       preferred_element_type=jnp.float32)[:, :-1]
   t_S1 = jnp.arange(1, tokens_NxS.shape[1])
   scale = jnp.where(t_S1[None, :, None] < prompt_len_N[:, None, None], 1.0, 1.0 / temperature)
