@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 
+from erpo_jax import allocator
 from erpo_jax.cli_types import positive_float, positive_int, step_variants, temperature
 from erpo_jax.errors import NonFiniteError, UserError
 
@@ -269,6 +270,8 @@ def _report_checkpoint_write_errors_once() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  if argv is None:  # the `erpo-jax` command itself, not a call from Python
+    allocator.reexec_if_needed()
   args = parse_args(argv)
   _report_checkpoint_write_errors_once()
   try:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from erpo_jax import allocator
 from erpo_jax.bench import machine
 from erpo_jax.data.pipeline import make_train_iterator
 from erpo_jax.model.io.loading import load_model
@@ -59,10 +60,10 @@ def peak_memory() -> dict[str, int | None]:
 
 
 def device_info() -> dict[str, Any]:
-  """Where a record was measured: the device, the host's CPU model and its CPU count."""
+  """Where a record was measured: the device, the host's CPU model, its CPU count and the host allocator."""
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "cpu_model": machine.cpu_model(), "host_cpus": os.cpu_count()}
+          "cpu_model": machine.cpu_model(), "host_cpus": os.cpu_count(), "allocator": allocator.in_use()}
 
 
 def matmul_peak(n: int, dtype, *, iters: int = 10, warmup: int = 2) -> dict[str, float]:

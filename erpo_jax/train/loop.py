@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from erpo_jax import compile_cache
+from erpo_jax import allocator, compile_cache
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
@@ -111,7 +111,8 @@ def _first_step_line(step: int, t_start: float, t_step: float, t_end: float) -> 
   """The log line of this invocation's first step: how long until it ended, where the time went, what the
   compilation cache held (a relaunch with a warm cache loads its programs instead of compiling them)."""
   return (f"step {step} is this run's first: it ended {t_end - t_start:.1f} s after start (set-up "
-          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s); {compile_cache.describe()}")
+          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s); {compile_cache.describe()}; "
+          f"host allocator {allocator.in_use()}")
 
 
 def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks: Hooks,

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import tiny_runs
+from erpo_jax import allocator
 from tiny_runs import STEPS, Training, complete_steps, metrics_steps
 
 GRACE_S = 60.0  # SIGTERM to exit: finish one step (~1 s here) and write one checkpoint, on a loaded machine
@@ -34,6 +35,8 @@ def test_sigterm_saves_the_current_step_exits_0_and_resumes_bit_identical(tmp_pa
   assert len(saved) == 1 and saved[0] == logged[-1] and 3 <= saved[0] < STEPS, (saved, logged)
   assert f"SIGTERM: saved step {saved[0]}" in t.stdout()
   assert "Traceback" not in t.stderr()
+  # The signal reached the trainer through the command's re-execution onto mimalloc (same process id).
+  assert f"host allocator {'system' if allocator.mimalloc_library() is None else 'mimalloc'}" in t.stdout()
   proc = tiny_runs.run_train(run_dir, NO_PERIODIC)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"at step {saved[0]}" in proc.stdout

@@ -1,0 +1,117 @@
+"""The host memory allocator of an erpo-jax process: mimalloc where it is installed, else the C library's.
+
+XLA's CPU runtime allocates each program's temporary buffer anew on every
+call: gigabytes for a training update. glibc's malloc serves allocations that
+large with fresh pages from the kernel and hands them back on free, so every
+call takes one page fault per 4 KiB page it first touches (about 600,000 for
+the reference workload's update, a second or more of its time). mimalloc keeps
+freed memory mapped and reuses it: after the first call, none. On an
+accelerator the large buffers live in device memory and this changes little.
+
+A shared library can only replace malloc from the process's start, so the
+`erpo-jax` command re-executes itself once, first thing, with mimalloc in
+LD_PRELOAD (`exec`: the same process id, arguments, standard streams and
+environment otherwise). Child processes (verifier workers, data workers)
+inherit it. `ERPO_JAX_ALLOCATOR` chooses:
+
+  auto      mimalloc when the `cmeel-mimalloc` package is installed (a dependency on Linux x86_64 and
+            aarch64), else the C library's malloc (the default)
+  mimalloc  mimalloc, or exit code 2 with one line saying what to install
+  system    the C library's malloc, no re-execution
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pathlib
+import sys
+
+ENV = "ERPO_JAX_ALLOCATOR"
+CHOICES = ("auto", "mimalloc", "system")
+_REEXECUTED = "ERPO_JAX_ALLOCATOR_REEXEC"  # set in the re-executed process: never exec twice
+# Allocators that keep freed memory mapped: one already preloaded (by the user or a launcher) is kept.
+_KNOWN = ("mimalloc", "tcmalloc", "jemalloc")
+
+
+def mimalloc_library() -> pathlib.Path | None:
+  """The shared library that the `cmeel-mimalloc` distribution installs, or None."""
+  try:
+    files = importlib.metadata.files("cmeel-mimalloc") or []
+    dist = importlib.metadata.distribution("cmeel-mimalloc")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+  libs = sorted((f for f in files if f.name.startswith("libmimalloc.so")), key=lambda f: len(f.name))
+  for f in libs:
+    path = pathlib.Path(dist.locate_file(f))
+    if path.is_file():
+      return path.resolve()
+  return None
+
+
+def in_use() -> str:
+  """The allocator this process runs on: 'mimalloc', 'tcmalloc', 'jemalloc' (mapped into the process), or
+  'system'."""
+  try:
+    maps = pathlib.Path("/proc/self/maps").read_text()
+  except OSError:
+    return "system"
+  for name in _KNOWN:
+    if f"lib{name}" in maps:
+      return name
+  return "system"
+
+
+def choice(environ=os.environ) -> str:
+  """ERPO_JAX_ALLOCATOR, checked: one of CHOICES (empty = auto)."""
+  value = environ.get(ENV, "").strip().lower() or "auto"
+  if value not in CHOICES:
+    raise ValueError(f"{ENV}={environ.get(ENV)!r}: expected one of {', '.join(CHOICES)}")
+  return value
+
+
+def preload_environment(environ=os.environ) -> dict[str, str] | None:
+  """The environment to re-execute this process with, or None to run as it is.
+
+  None on a platform other than Linux, with ERPO_JAX_ALLOCATOR=system, after a re-execution, when a known
+  allocator is already preloaded, or (auto) when mimalloc is not installed. Raises ValueError for a bad
+  ERPO_JAX_ALLOCATOR or for `mimalloc` when it is not installed.
+  """
+  want = choice(environ)
+  if want == "system" or not sys.platform.startswith("linux") or environ.get(_REEXECUTED):
+    return None
+  preload = environ.get("LD_PRELOAD", "")
+  if any(f"lib{name}" in preload for name in _KNOWN):
+    return None
+  lib = mimalloc_library()
+  if lib is None:
+    if want == "mimalloc":
+      raise ValueError(f"{ENV}=mimalloc: the mimalloc library is not installed; install it with "
+                       f"`python -m pip install cmeel-mimalloc` or set {ENV}=auto or system")
+    return None
+  env = dict(environ)
+  env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
+  env[_REEXECUTED] = "1"
+  return env
+
+
+def reexec_if_needed() -> None:
+  """Replaces this process by itself with mimalloc preloaded, when `preload_environment` says so.
+
+  Called first thing by the `erpo-jax` command, before JAX is imported. A bad ERPO_JAX_ALLOCATOR is one
+  line on stderr and exit code 2.
+  """
+  try:
+    env = preload_environment()
+  except ValueError as e:
+    print(f"erpo-jax: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  if env is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+  except OSError as e:  # the interpreter could not be started again: run on as we are
+    print(f"erpo-jax: warning: could not restart with mimalloc ({e}); using the C library's malloc",
+          file=sys.stderr)

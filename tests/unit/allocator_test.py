@@ -1,0 +1,94 @@
+"""The host allocator: the `erpo-jax` command runs on mimalloc, and XLA's buffers then cost no page faults."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from erpo_jax import allocator
+
+# A jitted program whose temporary buffer is ~440 MB (a scan's stacked outputs, as in the update's layer
+# scan); the child prints the minor page faults of its second and third calls and the allocator in use.
+PROGRAM = r"""
+import json, resource, sys
+from erpo_jax import allocator
+allocator.reexec_if_needed()
+import jax, jax.numpy as jnp
+
+@jax.jit
+def f(x):
+  def body(c, _):
+    y = c * 1.0001
+    return y, y
+  c, ys = jax.lax.scan(body, x, None, length=30)
+  return jnp.sum(ys[::7]) + jnp.sum(c)
+
+x = jnp.ones((2048, 1536))
+jax.block_until_ready(f(x))
+faults = []
+for _ in range(2):
+  r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  jax.block_until_ready(f(x))
+  faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(json.dumps({"allocator": allocator.in_use(), "faults": faults, "argv": sys.argv[1:]}))
+"""
+
+PAGES_OF_THE_BUFFER = 30 * 2048 * 1536 * 4 // 4096  # 92,160 pages of 4 KiB
+
+
+def _child(choice: str, *argv: str) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC")}
+  env[allocator.ENV] = choice
+  proc = subprocess.run([sys.executable, "-c", PROGRAM, *argv], env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+needs_mimalloc = pytest.mark.skipif(allocator.mimalloc_library() is None or not sys.platform.startswith("linux"),
+                                    reason="cmeel-mimalloc is installed on Linux x86_64 and aarch64 only")
+
+
+@needs_mimalloc
+def test_a_reexecuted_process_runs_on_mimalloc_and_a_programs_later_calls_take_no_page_faults():
+  mi = _child("auto", "--flag", "a b")
+  system = _child("system")
+  assert mi["allocator"] == "mimalloc" and mi["argv"] == ["--flag", "a b"]  # the same arguments after exec
+  assert system["allocator"] == "system"
+  # The C library's malloc hands the buffer back and faults it in again on every call; mimalloc reuses it.
+  assert min(system["faults"]) > PAGES_OF_THE_BUFFER
+  assert max(mi["faults"]) < PAGES_OF_THE_BUFFER // 100, (mi, system)
+
+
+def test_system_or_a_preloaded_allocator_or_a_second_start_runs_as_it_is():
+  assert allocator.preload_environment({allocator.ENV: "system"}) is None
+  assert allocator.preload_environment({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}) is None
+  assert allocator.preload_environment({"ERPO_JAX_ALLOCATOR_REEXEC": "1"}) is None
+
+
+@needs_mimalloc
+def test_auto_preloads_the_installed_mimalloc_before_an_existing_preload():
+  env = allocator.preload_environment({"LD_PRELOAD": "/opt/libfoo.so", "PATH": "/bin"})
+  lib = str(allocator.mimalloc_library())
+  assert env["LD_PRELOAD"] == f"{lib}:/opt/libfoo.so" and env["PATH"] == "/bin"
+  assert env["ERPO_JAX_ALLOCATOR_REEXEC"] == "1" and os.path.isfile(lib)
+
+
+def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_variable(monkeypatch):
+  monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
+  assert allocator.preload_environment({}) is None  # auto: the C library's malloc
+  with pytest.raises(ValueError, match="ERPO_JAX_ALLOCATOR=mimalloc: .*pip install cmeel-mimalloc"):
+    allocator.preload_environment({allocator.ENV: "mimalloc"})
+  with pytest.raises(ValueError, match="ERPO_JAX_ALLOCATOR='jemalloc': expected one of auto, mimalloc, system"):
+    allocator.preload_environment({allocator.ENV: "jemalloc"})
+
+
+def test_a_bad_allocator_choice_is_one_line_and_exit_code_2_from_the_command():
+  env = {**os.environ, allocator.ENV: "fast"}
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--help"], env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines() == [
+      "erpo-jax: error: ERPO_JAX_ALLOCATOR='fast': expected one of auto, mimalloc, system"]
