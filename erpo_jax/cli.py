@@ -270,7 +270,7 @@ def _report_checkpoint_write_errors_once() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  if argv is None:  # the `erpo-jax` command itself, not a call from Python
+  if argv is None:  # the command itself
     allocator.reexec_if_needed()
   args = parse_args(argv)
   _report_checkpoint_write_errors_once()
