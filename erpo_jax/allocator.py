@@ -78,7 +78,11 @@ def preload_environment(environ=os.environ) -> dict[str, str] | None:
   ERPO_JAX_ALLOCATOR or for `mimalloc` when it is not installed.
   """
   want = choice(environ)
-  if want == "system" or not sys.platform.startswith("linux") or environ.get(_REEXECUTED):
+  if want == "system" or environ.get(_REEXECUTED):
+    return None
+  if not sys.platform.startswith("linux"):
+    if want == "mimalloc":
+      raise ValueError(f"{ENV}=mimalloc: preloading is for Linux only; set {ENV}=auto or system")
     return None
   preload = environ.get("LD_PRELOAD", "")
   if any(f"lib{name}" in preload for name in _KNOWN):

@@ -83,6 +83,10 @@ def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_va
     allocator.preload_environment({allocator.ENV: "mimalloc"})
   with pytest.raises(ValueError, match="ERPO_JAX_ALLOCATOR='jemalloc': expected one of auto, mimalloc, system"):
     allocator.preload_environment({allocator.ENV: "jemalloc"})
+  monkeypatch.setattr(allocator.sys, "platform", "darwin")
+  assert allocator.preload_environment({}) is None
+  with pytest.raises(ValueError, match="ERPO_JAX_ALLOCATOR=mimalloc: preloading is for Linux only"):
+    allocator.preload_environment({allocator.ENV: "mimalloc"})
 
 
 def test_a_bad_allocator_choice_is_one_line_and_exit_code_2_from_the_command():
