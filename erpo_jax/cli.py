@@ -16,7 +16,7 @@ from erpo_jax.errors import NonFiniteError, UserError
 DEFAULT_CONFIG = "configs/default.yaml"
 
 
-BENCH_WHAT = ("step", "rollout", "rl", "all")
+BENCH_WHAT = ("step", "rollout", "rl", "reference", "all")
 # A config override on the command line: a dotted key, '=', a value (config_io.parse_override reads it).
 OVERRIDE = re.compile(r"[A-Za-z_][\w.-]*=")
 
@@ -34,8 +34,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 MAX_ERROR_CHARS = 600  # an error line is cut here: a value in a message can be any size
 
-# OSErrors of the user's environment (a full disk, permissions, a path that is not what it should be):
-# reported in one line like a UserError. Any other OSError is a bug and keeps its traceback.
+# OSErrors of the user's environment (a full disk, permissions, a path that is not what it should be)
+# are one line like a UserError. Any other OSError is a bug and keeps its traceback.
 USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,
                          errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
                          errno.ELOOP, errno.EMFILE, errno.ENFILE, errno.EIO})
@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "tokens, golds that verify against themselves, a suggested "
                                                "data.max_prompt_tokens"))
 
-  p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, all")
-  # Checked in parse_args, not by argparse: `bench --config C key=value` puts the override here.
+  p = sub.add_parser("bench", help="benchmarks: step, rollout, rl, reference, all")
+  # Checked in parse_args: `bench --config C key=value` puts the override here.
   p.add_argument("what", nargs="?", default="all", metavar="{" + ",".join(BENCH_WHAT) + "}",
                  help="what to measure (default: all)")
   _add_common(p)

@@ -1,9 +1,10 @@
-"""`erpo-jax bench [step|rollout|rl|all]`: one JSON line per measurement, each run in its own process.
+"""`erpo-jax bench [step|rollout|rl|reference|all]`: one JSON line per measurement, each run in its own process.
 
     erpo-jax bench step --config configs/bench_reference.yaml
     erpo-jax bench rollout --config configs/bench_reference.yaml
     erpo-jax bench rl --config configs/bench_reference.yaml --iters 6 --warmup 2
     erpo-jax bench rl --config configs/bench_reference.yaml --against trl.json   # ratios over a peer
+    erpo-jax bench reference --config configs/default.yaml   # the reference pass of erpo-jax weights
 
 Every run first measures the device itself (`device` line: float32 and
 bfloat16 matmul FLOP/s, read bandwidth), then each measurement in a fresh
@@ -26,6 +27,8 @@ each with model.shared_prefix off and on when the step reads that field
 rollout: sampler prefill / decode tokens/s, and the uncached greedy loop.
 rl: whole iterations of the training loop (bench_rl); with a peer's summary
 (`against`, bench/peer.py) also erpo-jax's figures over the peer's.
+reference: the reference pass over the training prompts (bench/reference.py), its
+useful FLOP/s over the matmul peak.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ from erpo_jax.bench import peer as bench_peer
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 
-WHAT = ("step", "rollout", "rl", "all")
+WHAT = ("step", "rollout", "rl", "reference", "all")
 # (iters, warmup) when not given; rl follows the issue's protocol (median of 6 after 2).
-DEFAULT_ITERS = {"step": (3, 1), "rollout": (3, 1), "rl": (6, 2)}
+DEFAULT_ITERS = {"step": (3, 1), "rollout": (3, 1), "rl": (6, 2), "reference": (3, 1)}
 # variant -> (label, erpo settings)
 STEP_VARIANTS = {
     "a": ("erpo_reference_forward", {"kl_on": "prompt", "reference": "forward", "weights": "static"}),
@@ -178,6 +181,8 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
       for phase in ("update", "rollout"):
         if r.get(f"{phase}_over_floor") is not None:
           out[f"rl_{phase}_over_floor"] = r[f"{phase}_over_floor"]
+    if r["name"] == "reference" and r.get("utilisation") is not None:
+      out["reference_pass_utilisation"] = r["utilisation"]
     if r["name"] == "against":
       out["peer"] = r["peer"]
       out.update({f"rl_{k}_over_peer": v for k, v in r["ratios"].items()})
@@ -226,7 +231,7 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
   """
   if what not in WHAT:
     raise ValueError(f"bench: what must be one of {WHAT}, got {what!r}")
-  kinds = ("step", "rollout", "rl") if what == "all" else (what,)
+  kinds = ("step", "rollout", "rl", "reference") if what == "all" else (what,)
   records: list[dict[str, Any]] = []
   if out is not None:
     open(out, "w", encoding="utf-8").close()
@@ -258,6 +263,10 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
         with_decode_floors(rec, device)
         record("rollout/sampler", rec)
         record("rollout/greedy_uncached", run_worker("greedy", cfg, iters=n, warmup=w, tmp=tmp))
+      elif kind == "reference":
+        rec = run_worker("reference", cfg, iters=n, warmup=w, tmp=tmp)
+        with_utilisation(rec, device, "flops_per_s", "utilisation")
+        record("reference", rec)
       else:
         rec = run_worker("rl", cfg, iters=n, warmup=w, tmp=tmp)
         with_rl_floors(rec, device)

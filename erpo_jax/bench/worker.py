@@ -1,6 +1,6 @@
 """One bench measurement in a fresh process: `python -m erpo_jax.bench.worker SPEC.json OUT.json`.
 
-SPEC holds {"kind": device|steps|step_memory|step_profile|rollout|greedy|rl, "config": a
+SPEC holds {"kind": device|steps|step_memory|step_profile|rollout|greedy|rl|reference, "config": a
 YAML file (a list of them for steps), "iters": int, "warmup": int, and for step_profile "out": a folder}; OUT
 receives the measurement's JSON record. A process per measurement makes its
 peak memory (ru_maxrss, the device's peak_bytes_in_use) that of this
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from erpo_jax import compile_cache
 from erpo_jax.bench import probe as bench_probe
+from erpo_jax.bench.reference import measure_reference
 from erpo_jax.bench.rl import measure_rl
 from erpo_jax.bench.rollout import measure_greedy, measure_sampler
 from erpo_jax.bench.step import measure_step_memory, measure_steps, profile_step
@@ -57,6 +58,8 @@ def measure(kind: str, cfg, *, iters: int, warmup: int, out: str | None = None) 
     return measure_greedy(cfg, iters=iters, warmup=warmup)
   if kind == "rl":
     return measure_rl(cfg, iters=iters, warmup=warmup)
+  if kind == "reference":
+    return with_local_peaks(measure_reference(cfg, iters=iters, warmup=warmup), bandwidth=False)
   raise ValueError(f"bench worker: unknown kind {kind!r}")
 
 

@@ -106,18 +106,22 @@ class Transformer(nnx.Module):
   # ------------------------------------------------------------------ forward
 
   def hidden(self, tokens_NxS: jax.Array, positions_NxS: jax.Array | None = None,
-             key_mask_NxS: jax.Array | None = None) -> jax.Array:
+             key_mask_NxS: jax.Array | None = None, segments_NxS: jax.Array | None = None) -> jax.Array:
     """Final-normed hidden states [N, S, D] under a causal mask (no cache).
 
     Right padding needs no mask: a padded key is never before a valid query.
-    `key_mask_NxS` (True = attend) is for layouts with holes.
+    `key_mask_NxS` (True = attend) is for layouts with holes; `segments_NxS`
+    for sequences laid end to end: a query sees only keys of its own segment.
     """
     N, S = tokens_NxS.shape
     if positions_NxS is None:
       positions_NxS = jnp.broadcast_to(jnp.arange(S), (N, S))
     h = self.embed_tokens(tokens_NxS)
-    causal = jnp.tril(jnp.ones((S, S), bool))[None]  # [1, S, S]
-    mask_NxSxS = causal if key_mask_NxS is None else causal & key_mask_NxS[:, None, :]
+    mask_NxSxS = jnp.tril(jnp.ones((S, S), bool))[None]  # [1, S, S] causal
+    if key_mask_NxS is not None:
+      mask_NxSxS = mask_NxSxS & key_mask_NxS[:, None, :]
+    if segments_NxS is not None:
+      mask_NxSxS = mask_NxSxS & (segments_NxS[:, :, None] == segments_NxS[:, None, :])
     cos, sin = rope_tables(positions_NxS, self.cfg)
 
     def layer(h, p):

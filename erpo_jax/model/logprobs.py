@@ -82,19 +82,27 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
               response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int = 1024,
-              layout: Layout = PLAIN, with_entropy: bool = False):
+              layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None):
   """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 
   prompt_len_N is needed unless temperature is 1 (then every position is
   scored alike) and by the shared-prefix layouts; response_len_N by the packed
   one. With `with_entropy` returns (logp, entropy) with the entropy of the same
   distributions in the same layout; else logp.
+
+  segments_NxS (plain layout, temperature 1): sequences laid end to end in
+  each row, a segment id per position. Each token sees only the tokens before
+  it in its own segment, at RoPE positions that restart at 0 where a segment
+  starts, so a sequence's log-probs are those it has in a row of its own; the
+  column where a segment starts holds nothing (its first token has no log-prob).
   """
   if prompt_len_N is None and temperature != 1.0:
     raise ValueError("log_probs at a temperature other than 1 needs prompt_len_N: prompts are scored at 1")
+  if segments_NxS is not None and (layout.group_size or temperature != 1.0):
+    raise ValueError("segments_NxS is for the plain layout at temperature 1")
   if layout.group_size == 0:
     logp, entropy = _plain(model, tokens_NxS, prompt_len_N, temperature=temperature, chunk=chunk,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, segments_NxS=segments_NxS)
   elif layout.capacity:
     logp, entropy = _packed(model, tokens_NxS, prompt_len_N, response_len_N, layout, temperature=temperature,
                             chunk=chunk, with_entropy=with_entropy)
@@ -122,9 +130,14 @@ def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, 
 
 
 def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | None, *, temperature: float,
-           chunk: int, with_entropy: bool):
+           chunk: int, with_entropy: bool, segments_NxS: jax.Array | None = None):
   N, S = tokens_NxS.shape
-  h = model.hidden(tokens_NxS)[:, :-1]  # [N, S-1, D] predicts tokens 1..S-1
+  positions_NxS = None
+  if segments_NxS is not None:  # each segment's positions count from its first column
+    t_NxS = jnp.broadcast_to(jnp.arange(S), (N, S))
+    starts = jnp.concatenate([jnp.ones((N, 1), bool), segments_NxS[:, 1:] != segments_NxS[:, :-1]], axis=1)
+    positions_NxS = t_NxS - jax.lax.cummax(jnp.where(starts, t_NxS, 0), axis=1)
+  h = model.hidden(tokens_NxS, positions_NxS, segments_NxS=segments_NxS)[:, :-1]  # [N, S-1, D] predicts 1..S-1
   D = h.shape[-1]
   temperature_M = temperature
   if temperature != 1.0:

@@ -261,3 +261,24 @@ def test_step_runs_only_the_chosen_variants_and_shared_prefix_settings(monkeypat
   assert started == [("steps", [("prompt", True), ("response", True)]), ("step_memory", [("prompt", True)]),
                      ("step_memory", [("response", True)])]
   assert recs[0]["utilisation"] == 0.5  # 2 FLOP/s over the 4 measured in the timing process
+
+
+def test_cli_bench_reference_counts_each_prompts_own_tokens_and_their_packing():
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "bench", "reference", "--config", TINY, "--iters", "1",
+                         "--warmup", "0", "data.size=40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}
+  assert list(lines) == ["device", "reference", "summary"] and lines["summary"]["errors"] == 0
+  rec = lines["reference"]
+  cfg = load_config(TINY, ["data.size=40"])
+  from erpo_jax.data.pipeline import dataset_prompts
+  from erpo_jax.model.io.loading import load_tokenizer
+  lengths = [len(t) for t, _ in dataset_prompts(cfg, load_tokenizer(cfg.model))]
+  mc = llama.model_config_from_random_init(cfg.model.random_init)
+  assert (rec["prompts"], rec["prompt_tokens"], rec["prompt_len_max"]) == (40, sum(lengths), max(lengths))
+  assert rec["useful_flops"] == pytest.approx(sum(n * mc.flops_per_token(n) for n in lengths), rel=1e-4)
+  assert rec["flops_per_s"] == pytest.approx(rec["useful_flops"] / rec["time_s"], rel=1e-3)
+  assert rec["row_len"] == 128 and rec["calls"] * rec["rows_per_call"] >= rec["rows"]
+  assert rec["fill"] == pytest.approx(sum(lengths) / (rec["calls"] * rec["rows_per_call"] * 128), rel=1e-4)
+  assert rec["utilisation"] == pytest.approx(rec["flops_per_s"] / rec["peak_flops_per_s"], rel=1e-3)
+  assert lines["summary"]["reference_pass_utilisation"] == pytest.approx(rec["utilisation"], rel=1e-3)

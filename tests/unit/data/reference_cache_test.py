@@ -139,3 +139,30 @@ def test_reference_pass_lengths_pad_less_than_an_eighth_of_their_power_of_two():
   lengths = range(1, 2049)
   assert all(0 <= buckets.fine_bucket(n) - n < max(16, buckets.power_of_two(n) // 8) for n in lengths)
   assert len({buckets.fine_bucket(n) for n in range(1025, 2049)}) == 4  # compilations per octave
+
+
+def test_packed_prompts_fill_rows_with_every_prompt_once():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(36, 44, size=512).astype(np.int32)  # the embedded default's prompt lengths
+  rows = static_weights.pack_prompts(lengths, 128)
+  placed = sorted(q for row in rows for q in row)
+  assert placed == list(range(512))
+  assert all(sum(lengths[q] for q in row) <= 128 for row in rows)
+  # Padding each prompt to its length bucket (48) fills 83% of the tokens computed; the packed rows fill > 92%.
+  assert lengths.sum() / (len(rows) * 128) > 0.92
+  assert static_weights.pack_prompts(np.array([128, 1, 127], np.int32), 128) == [[0], [2, 1]]
+
+
+def test_packed_reference_pass_equals_each_prompt_alone():
+  """Prompts of 1-150 tokens laid end to end (rows of 160) score as they do alone, unpadded, token by token."""
+  cfg = load_config("configs/tiny.yaml")
+  model, _ = load_model(cfg.model)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 49152, size=n).tolist() for n in (1, 2, 5, 17, 40, 43, 64, 90, 150, 3, 33, 120)]
+  logp, lengths = static_weights.compute_reference_logp(model, prompts, tokens_per_batch=320, chunk=64,
+                                                        progress=False)
+  assert logp.shape == (12, 150) and lengths.tolist() == [len(p) for p in prompts]
+  for q, ids in enumerate(prompts):
+    alone = np.asarray(logprobs.log_probs(model, jnp.asarray([ids]), chunk=64))[0] if len(ids) > 1 else [0.0]
+    np.testing.assert_allclose(logp[q, :len(ids)], alone, rtol=2e-5, atol=2e-5)
+    assert not logp[q, len(ids):].any()
