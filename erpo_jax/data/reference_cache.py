@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -99,9 +100,11 @@ def packed_row_length(max_prompt_len: int) -> int:
 
 
 def rows_per_call(rows: int, row_len: int, tokens_per_batch: int, mesh=None) -> int:
-  """Packed rows per forward call: about tokens_per_batch tokens, a multiple of the mesh's batch shards."""
+  """Packed rows per forward call, a multiple of the mesh's batch shards: as many calls as rows of about
+  tokens_per_batch tokens need, the rows spread evenly over them, so the last call is not mostly empty rows."""
   shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  return buckets.round_up(min(rows, max(1, tokens_per_batch // row_len)), shards)
+  calls = -(-rows // max(1, tokens_per_batch // row_len))
+  return buckets.round_up(-(-rows // calls), shards)
 
 
 def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH, mesh=None,
@@ -284,9 +287,12 @@ def run_weights(cfg) -> None:
   mesh = mesh_lib.make_mesh(cfg.mesh)
   model, tokenizer = load_model(cfg.model)
   mesh_lib.shard_model(model, mesh)
+  start = time.perf_counter()
   cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh, rebuild=True)
+  took = time.perf_counter() - start  # the pass with its compilation, the weights and the cache's write
   if jax.process_index() == 0:
-    summary = weight_summary(cache, cfg.erpo.static_clip)
+    summary = {**weight_summary(cache, cfg.erpo.static_clip), "reference_pass_s": round(took, 2),
+               "prompts_per_s": round(len(cache.weights) / took, 2)}
     with SummaryWriter(str(pathlib.Path(cfg.run.dir) / TB_DIR)) as tb:
       tb.add_histogram("weights/static", cache.weights, 0)
       tb.add_histogram("weights/reference_nll", cache.nll, 0)

@@ -63,6 +63,8 @@ def test_cli_weights_rebuilds_and_prints_a_summary(tmp_path):
   assert res.returncode == 0, res.stderr[-2000:]
   summary = json.loads(res.stdout.strip().splitlines()[-1])
   assert summary["prompts"] == 8
+  assert summary["reference_pass_s"] > 0 and summary["prompts_per_s"] == pytest.approx(
+      8 / summary["reference_pass_s"], rel=0.02)
   assert 0.0 <= summary["weight_min"] <= summary["weight_mean"] <= summary["weight_max"] <= 2.0
   assert (tmp_path / "cache" / "reference_cache.npz").is_file()
   with np.load(tmp_path / "cache" / "reference_cache.npz") as f:
@@ -166,3 +168,16 @@ def test_packed_reference_pass_equals_each_prompt_alone():
     alone = np.asarray(logprobs.log_probs(model, jnp.asarray([ids]), chunk=64))[0] if len(ids) > 1 else [0.0]
     np.testing.assert_allclose(logp[q, :len(ids)], alone, rtol=2e-5, atol=2e-5)
     assert not logp[q, len(ids):].any()
+
+
+def test_packed_rows_spread_evenly_over_the_calls():
+  # 167 rows of 128 tokens at about 4096 tokens a call: 6 calls of 28 rows (168), not 6 of 32 (192).
+  assert static_weights.rows_per_call(167, 128, 4096) == 28
+  assert static_weights.rows_per_call(5, 128, 4096) == 5
+  assert static_weights.rows_per_call(1, 4096, 1024) == 1  # a row longer than a batch: one row a call
+
+  class Mesh:
+    shape = {"data": 2, "fsdp": 2}
+
+  assert static_weights.rows_per_call(167, 128, 4096, Mesh()) == 28  # a multiple of the 4 batch shards
+  assert static_weights.rows_per_call(170, 128, 4096, Mesh()) == 32
