@@ -1,6 +1,7 @@
 """`erpo-jax weights`: the static weights and reference prompt cache, checked independently; stale caches refused."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -181,3 +182,34 @@ def test_packed_rows_spread_evenly_over_the_calls():
 
   assert static_weights.rows_per_call(167, 128, 4096, Mesh()) == 28  # a multiple of the 4 batch shards
   assert static_weights.rows_per_call(170, 128, 4096, Mesh()) == 32
+
+
+SHARDED_PASS = """
+import numpy as np
+from erpo_jax.config_io import load_config
+from erpo_jax.data import reference_cache
+from erpo_jax.model.io.loading import load_model
+from erpo_jax.parallel import mesh as mesh_lib
+cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+rng = np.random.default_rng(2)
+prompts = [rng.integers(1, 49152, size=n).tolist() for n in rng.integers(1, 60, size=37)]
+model, _ = load_model(cfg.model)
+alone, lengths = reference_cache.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64,
+                                                        progress=False)
+mesh = mesh_lib.make_mesh(cfg.mesh)
+mesh_lib.shard_model(model, mesh)
+sharded, _ = reference_cache.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64, mesh=mesh,
+                                                    progress=False)
+print(float(np.abs(sharded - alone).max()), float(np.abs(alone).sum()))
+"""
+
+
+def test_packed_reference_pass_on_a_data_fsdp_tensor_mesh_equals_one_device():
+  """8 fake CPU devices as (data 2, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start):
+  37 prompts in packed rows split over 4 batch shards give the one-device log-probs."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", SHARDED_PASS], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+  assert out.returncode == 0, out.stderr[-3000:]
+  diff, total = map(float, out.stdout.strip().splitlines()[-1].split())
+  assert total > 100.0 and diff < 1e-4
