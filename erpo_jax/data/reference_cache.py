@@ -107,8 +107,8 @@ def rows_per_call(rows: int, row_len: int, tokens_per_batch: int, mesh=None) -> 
   return buckets.round_up(-(-rows // calls), shards)
 
 
-def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH, mesh=None,
-                           chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH,
+                           mesh=None, chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q].
 
   The prompts are packed end to end (`pack_prompts`) into rows of

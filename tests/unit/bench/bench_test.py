@@ -263,6 +263,26 @@ def test_step_runs_only_the_chosen_variants_and_shared_prefix_settings(monkeypat
   assert recs[0]["utilisation"] == 0.5  # 2 FLOP/s over the 4 measured in the timing process
 
 
+def test_reference_record_counts_each_prompts_own_tokens_and_their_packing():
+  from erpo_jax.bench.reference import measure_reference
+  from erpo_jax.data.pipeline import dataset_prompts
+  from erpo_jax.model.io.loading import load_tokenizer
+  cfg = load_config(TINY, ["data.size=40"])
+  rec = measure_reference(cfg, iters=1, warmup=0, tokens_per_batch=512)
+  lengths = [len(t) for t, _ in dataset_prompts(cfg, load_tokenizer(cfg.model))]
+  mc = llama.model_config_from_random_init(cfg.model.random_init)
+  assert (rec["prompts"], rec["prompt_tokens"], rec["prompt_len_max"]) == (40, sum(lengths), max(lengths))
+  assert rec["useful_flops"] == pytest.approx(sum(n * mc.flops_per_token(n) for n in lengths))
+  assert rec["flops_per_s"] == pytest.approx(rec["useful_flops"] / rec["time_s"])
+  from erpo_jax.data import reference_cache
+  R = reference_cache.rows_per_call(rec["rows"], 128, 512)
+  assert rec["row_len"] == 128 and rec["rows_per_call"] == R
+  assert rec["calls"] * R >= rec["rows"] > (rec["calls"] - 1) * R
+  assert rec["rows"] * 128 >= sum(lengths) and rec["fill"] == pytest.approx(sum(lengths) / (rec["calls"] * R * 128))
+  assert rec["first_call_s"] > 0 and len(rec["times_s"]) == 1
+
+
+@pytest.mark.slow
 def test_cli_bench_reference_counts_each_prompts_own_tokens_and_their_packing():
   proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "bench", "reference", "--config", TINY, "--iters", "1",
                          "--warmup", "0", "data.size=40"], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_packed_prompts_fill_rows_with_every_prompt_once():
 
 
 def test_packed_reference_pass_equals_each_prompt_alone():
-  """Prompts of 1-150 tokens laid end to end (rows of 160) score as they do alone, unpadded, token by token."""
+  """Prompts of 1-150 tokens laid end to end (rows of 160) score as they do alone, token by token."""
   cfg = load_config("configs/tiny.yaml")
   model, _ = load_model(cfg.model)
   rng = np.random.default_rng(1)
@@ -165,9 +166,13 @@ def test_packed_reference_pass_equals_each_prompt_alone():
   logp, lengths = static_weights.compute_reference_logp(model, prompts, tokens_per_batch=320, chunk=64,
                                                         progress=False)
   assert logp.shape == (12, 150) and lengths.tolist() == [len(p) for p in prompts]
+  # Each prompt in a row of its own, right-padded to 150 (a padded key is never before a valid query).
+  rows = np.zeros((len(prompts), 150), np.int32)
   for q, ids in enumerate(prompts):
-    alone = np.asarray(logprobs.log_probs(model, jnp.asarray([ids]), chunk=64))[0] if len(ids) > 1 else [0.0]
-    np.testing.assert_allclose(logp[q, :len(ids)], alone, rtol=2e-5, atol=2e-5)
+    rows[q, :len(ids)] = ids
+  alone = np.asarray(jax.jit(lambda t: logprobs.log_probs(model, t, chunk=64))(jnp.asarray(rows)))
+  for q, ids in enumerate(prompts):
+    np.testing.assert_allclose(logp[q, :len(ids)], alone[q, :len(ids)], rtol=2e-5, atol=2e-5)
     assert not logp[q, len(ids):].any()
 
 
