@@ -31,10 +31,7 @@ def measure_reference(cfg, *, iters: int, warmup: int,
   mesh_lib.shard_model(model, mesh)
   prompts = [tokens for tokens, _ in dataset_prompts(cfg, tokenizer)]
   lengths = np.array([len(p) for p in prompts], np.int64)
-  row_len = reference_cache.packed_row_length(int(lengths.max()))
-  rows = len(reference_cache.pack_prompts(lengths, row_len))
-  per_call = reference_cache.rows_per_call(rows, row_len, tokens_per_batch, mesh)
-  calls = -(-rows // per_call)
+  plan = reference_cache.plan_packing(lengths, tokens_per_batch, mesh)  # what compute_reference_logp runs
 
   def one():
     return reference_cache.compute_reference_logp(model, prompts, tokens_per_batch=tokens_per_batch, mesh=mesh,
@@ -47,8 +44,8 @@ def measure_reference(cfg, *, iters: int, warmup: int,
   dev = jax.devices()[0]
   return {
       "prompts": len(prompts), "prompt_tokens": int(lengths.sum()), "prompt_len_max": int(lengths.max()),
-      "row_len": row_len, "rows": rows, "rows_per_call": per_call, "calls": calls,
-      "fill": float(lengths.sum() / (calls * per_call * row_len)),
+      "row_len": plan.row_len, "rows": len(plan.rows), "rows_per_call": plan.rows_per_call, "calls": plan.calls,
+      "fill": float(lengths.sum() / (plan.calls * plan.rows_per_call * plan.row_len)),
       "first_call_s": first, "time_s": t, "times_s": times, "iters": iters, "warmup": warmup,
       "prompts_per_s": len(prompts) / t, "useful_flops": work, "flops_per_s": work / t,
       "dtype": cfg.model.dtype, "platform": dev.platform, "device_kind": dev.device_kind,

@@ -107,11 +107,32 @@ def rows_per_call(rows: int, row_len: int, tokens_per_batch: int, mesh=None) -> 
   return buckets.round_up(-(-rows // calls), shards)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedPass:
+  """How the reference pass lays out its prompts: `rows` of prompt indices, `row_len` tokens each, run
+  `rows_per_call` rows a forward call."""
+
+  row_len: int
+  rows: list[list[int]]
+  rows_per_call: int
+
+  @property
+  def calls(self) -> int:
+    return -(-len(self.rows) // self.rows_per_call)
+
+
+def plan_packing(lengths: np.ndarray, tokens_per_batch: int = TOKENS_PER_BATCH, mesh=None) -> PackedPass:
+  """The packed layout of prompts of these lengths (at least one): rows, their length and rows per call."""
+  row_len = packed_row_length(int(lengths.max()))
+  rows = pack_prompts(lengths, row_len)
+  return PackedPass(row_len, rows, rows_per_call(len(rows), row_len, tokens_per_batch, mesh))
+
+
 def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH,
                            mesh=None, chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q].
 
-  The prompts are packed end to end (`pack_prompts`) into rows of
+  The prompts are packed end to end (`plan_packing`) into rows of
   `packed_row_length(Lmax)` tokens, each prompt attending only to
   itself from RoPE position 0 (`logprobs.log_probs` with segments), so the
   forward computes no padding; every call runs the same [rows, row_len] shape
@@ -129,9 +150,8 @@ def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_
   def fwd(state, tokens, segments):  # prompts: temperature 1
     return logprobs.log_probs(nnx.merge(graphdef, state), tokens, chunk=chunk, segments_NxS=segments)
 
-  row_len = packed_row_length(Lmax)
-  rows = pack_prompts(lengths, row_len)
-  R = rows_per_call(len(rows), row_len, tokens_per_batch, mesh)
+  plan = plan_packing(lengths, tokens_per_batch, mesh)
+  rows, row_len, R = plan.rows, plan.row_len, plan.rows_per_call
   bar = None
   if progress and jax.process_index() == 0:
     bar = tqdm(total=Q, desc="reference pass", unit="prompt")

@@ -93,8 +93,9 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
   segments_NxS (plain layout, temperature 1): sequences laid end to end in
   each row, a segment id per position. Each token sees only the tokens before
   it in its own segment, at RoPE positions that restart at 0 where a segment
-  starts, so a sequence's log-probs are those it has in a row of its own; the
-  column where a segment starts holds nothing (its first token has no log-prob).
+  starts, so a sequence's log-probs are those it has in a row of its own. The
+  column where a segment starts is scored from the previous segment's last
+  position: it means nothing (a first token has no log-prob) and callers skip it.
   """
   if prompt_len_N is None and temperature != 1.0:
     raise ValueError("log_probs at a temperature other than 1 needs prompt_len_N: prompts are scored at 1")
