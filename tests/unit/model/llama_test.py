@@ -83,6 +83,14 @@ def test_tiny_log_probs_match_transformers(name):
   np.testing.assert_allclose(logp, ref["logp"], atol=1e-4, rtol=0)
 
 
+def test_rows_of_one_token_score_zero_like_every_first_token():
+  ref = reference("tiny_llama")
+  tokens = jnp.asarray(ref["tokens"][:, :1])
+  logp = log_probs(tiny("tiny_llama"), tokens, chunk=16)
+  assert logp.shape == tokens.shape
+  np.testing.assert_array_equal(logp, 0.0)
+
+
 def test_tiny_llama_fixture_depends_on_llama3_rope_scaling():
   net = tiny("tiny_llama")
   ref = reference("tiny_llama")
