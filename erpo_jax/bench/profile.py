@@ -10,11 +10,15 @@ rest, and the matmul FLOP/s achieved inside the matmul ops.
 An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
 (XLA's CPU thunks, GPU kernels carry it as `hlo_op`). Its FLOPs are those of the dots it computes, fused or not,
 or of the cuBLAS gemm it calls, counted from the shapes in the compiled HLO: 2 x output elements x contracted size.
-Ops run concurrently where the program allows it, so their times may add up to more than the wall time.
+XLA's CPU runtime runs independent ops side by side on its threads, so op times may add up to more than the wall
+time, and an op that shared the cores ran slower than it would alone: each row says what share of its time
+another op ran beside it (`beside`), and the totals give the time some op ran (`busy_s`) and the time two or
+more did (`side_by_side_s`).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import glob
@@ -145,15 +149,15 @@ def op_flops(name: str, instrs: dict[str, Instruction], comps: dict[str, list[st
   return total
 
 
-def trace_op_times(trace_dir: str | pathlib.Path, op_names: set[str]) -> dict[str, tuple[float, int]]:
-  """{op: (seconds, executions)} from the Perfetto trace the profiler wrote under trace_dir."""
+def trace_op_intervals(trace_dir: str | pathlib.Path, op_names: set[str]) -> dict[str, list[tuple[float, float]]]:
+  """{op: [(start, duration) in seconds, one per execution]} from the Perfetto trace under trace_dir."""
   files = sorted(glob.glob(str(pathlib.Path(trace_dir) / "**" / "*.trace.json.gz"), recursive=True))
   if not files:
     raise RuntimeError(f"profile: no *.trace.json.gz under {trace_dir}")
   with gzip.open(files[-1], "rt", encoding="utf-8") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
-  out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
   for e in events:
     if e.get("ph") != "X":
       continue
@@ -161,29 +165,71 @@ def trace_op_times(trace_dir: str | pathlib.Path, op_names: set[str]) -> dict[st
     if name not in op_names:
       name = (e.get("args") or {}).get("hlo_op", name)
     if name in op_names:
-      out[name][0] += float(e.get("dur", 0.0)) * 1e-6
-      out[name][1] += 1
-  return {k: (v[0], int(v[1])) for k, v in out.items()}
+      out[name].append((float(e.get("ts", 0.0)) * 1e-6, float(e.get("dur", 0.0)) * 1e-6))
+  return dict(out)
 
 
-def op_table(parsed, times: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
+# Ops that hold other ops: a loop's or call's event spans the ops of its body.
+_CONTAINERS = {"while", "call", "conditional"}
+
+
+def side_by_side(intervals: dict[str, list[tuple[float, float]]], instrs: dict[str, Instruction]
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+  """({op: seconds another op ran beside it}, {"busy_s", "side_by_side_s"}) over the leaf ops (not loops or calls).
+
+  XLA's CPU runtime runs independent ops of a program at the same time on its threads, and each then gets part
+  of the cores: an op's time alone is not its speed when another ran beside it. busy_s: time at least one op
+  ran; side_by_side_s: time two or more did.
+  """
+  leaf = {k: v for k, v in intervals.items() if getattr(instrs.get(k), "opcode", "") not in _CONTAINERS}
+  edges = sorted([(s, 1) for v in leaf.values() for s, _ in v] + [(s + d, -1) for v in leaf.values() for s, d in v])
+  # After each edge: its time, the number of ops running, and the time with two or more running so far.
+  times, running_after, crowded_upto, running, busy, crowded = [], [], [], 0, 0.0, 0.0
+  for t, step in edges:
+    if times:
+      gap = t - times[-1]
+      busy += gap if running >= 1 else 0.0
+      crowded += gap if running >= 2 else 0.0
+    running += step
+    times.append(t)
+    running_after.append(running)
+    crowded_upto.append(crowded)
+
+  def crowded_at(t: float) -> float:
+    """Time with two or more ops running, from the first edge to t."""
+    i = bisect.bisect_right(times, t) - 1
+    if i < 0:
+      return 0.0
+    return crowded_upto[i] + ((t - times[i]) if running_after[i] >= 2 else 0.0)
+
+  shared = {k: sum(crowded_at(s + d) - crowded_at(s) for s, d in v) for k, v in leaf.items()}
+  return shared, {"busy_s": busy, "side_by_side_s": crowded}
+
+
+def op_table(parsed, times: dict[str, tuple[float, int]], beside: dict[str, float] | None = None
+             ) -> list[dict[str, Any]]:
   """One row per timed op of parse_hlo's (instructions, computations), slowest first: seconds, executions,
-  matmul FLOPs, FLOP/s, shape and source op."""
+  matmul FLOPs, FLOP/s, shape and source op; with side_by_side()'s `beside`, also the share of the op's time
+  that another op ran beside it (`beside_share`, None for loops and calls)."""
   instrs, comps = parsed
   rows = []
   for name, (seconds, count) in times.items():
     ins = instrs[name]
     flops = op_flops(name, instrs, comps) * count
     src = _OP_NAME.search(ins.rest)
+    shared = None if beside is None or name not in beside else (beside[name] / seconds if seconds > 0 else 0.0)
     rows.append({"op": name, "kind": "matmul" if flops else "other", "seconds": seconds, "count": count,
                  "flops": flops, "flops_per_s": flops / seconds if flops and seconds > 0 else None,
+                 "beside_share": shared,
                  "shape": ins.shape.split("{")[0], "opcode": ins.opcode, "source": src.group(1) if src else ""})
   rows.sort(key=lambda r: -r["seconds"])
   return rows
 
 
-def summarise(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-  """Totals over the op table: time in matmul ops and in the rest, matmul FLOPs and their rate."""
+def summarise(rows: list[dict[str, Any]], wall_s: float, overlap: dict[str, float] | None = None
+              ) -> dict[str, Any]:
+  """Totals over the op table: time in matmul ops and in the rest, matmul FLOPs and their rate; with
+  side_by_side()'s totals, the time some op ran (`busy_s`) and the time two or more ran (`side_by_side_s`)."""
   mm = [r for r in rows if r["kind"] == "matmul"]
   matmul_s = sum(r["seconds"] for r in mm)
   flops = sum(r["flops"] for r in mm)
@@ -191,14 +237,15 @@ def summarise(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
   return {"wall_s": wall_s, "ops_s": ops_s, "matmul_s": matmul_s, "other_s": ops_s - matmul_s,
           "matmul_share": matmul_s / ops_s if ops_s else None, "matmul_flops": flops,
           "matmul_flops_per_s": flops / matmul_s if matmul_s else None,
-          "flops_per_wall_s": flops / wall_s if wall_s else None, "ops": len(rows)}
+          "flops_per_wall_s": flops / wall_s if wall_s else None, "ops": len(rows), **(overlap or {})}
 
 
 def format_table(rows: list[dict[str, Any]], top: int = 30) -> str:
-  lines = [f"{'ms':>9} {'count':>6} {'GFLOP':>8} {'GFLOP/s':>8}  {'op':28} {'shape':26} source"]
+  lines = [f"{'ms':>9} {'count':>6} {'GFLOP':>8} {'GFLOP/s':>8} {'beside':>6}  {'op':28} {'shape':26} source"]
   for r in rows[:top]:
     rate = f"{r['flops_per_s'] / 1e9:8.1f}" if r["flops_per_s"] else f"{'':8}"
-    lines.append(f"{r['seconds'] * 1e3:9.1f} {r['count']:6d} {r['flops'] / 1e9:8.2f} {rate}  {r['op'][:28]:28} "
+    shared = f"{r['beside_share']:6.0%}" if r.get("beside_share") is not None else f"{'':6}"
+    lines.append(f"{r['seconds'] * 1e3:9.1f} {r['count']:6d} {r['flops'] / 1e9:8.2f} {rate} {shared}  {r['op'][:28]:28} "
                  f"{r['shape'][:26]:26} {r['source'][-70:]}")
   return "\n".join(lines)
 
@@ -228,9 +275,13 @@ def profile_call(run: Callable[[], Any], hlo_text: str, out_dir: str | pathlib.P
   finally:
     jax.profiler.stop_trace()
   parsed = parse_hlo(hlo_text)
-  rows = op_table(parsed, trace_op_times(trace_dir, set(parsed[0])))
-  totals = summarise(rows, wall)
+  intervals = trace_op_intervals(trace_dir, set(parsed[0]))
+  beside, overlap = side_by_side(intervals, parsed[0])
+  times = {k: (sum(d for _, d in v), len(v)) for k, v in intervals.items()}
+  rows = op_table(parsed, times, beside)
+  totals = summarise(rows, wall, overlap)
   (out / "ops.json").write_text(json.dumps({"totals": totals, "ops": rows}, indent=1) + "\n")
   (out / "ops.txt").write_text(format_table(rows, top=len(rows)) + "\n")
   return {**totals, "dir": str(out),
-          "top": [{k: r[k] for k in ("op", "seconds", "count", "flops_per_s", "shape", "source")} for r in rows[:10]]}
+          "top": [{k: r[k] for k in ("op", "seconds", "count", "flops_per_s", "beside_share", "shape", "source")}
+                  for r in rows[:10]]}

@@ -105,6 +105,8 @@ def test_a_profiled_tiny_update_counts_the_matmul_work_of_the_step(tmp_path):
   S = rec["S"]
   assert (S - 1) / S * rec["flops_plain_layout"] <= rec["matmul_flops"] < 1.5 * rec["flops_plain_layout"]
   assert rec["wall_s"] > 0 and rec["ops"] > 10 and len(rec["top"]) == 10
+  assert 0 <= rec["side_by_side_s"] <= rec["busy_s"] <= rec["wall_s"] * 1.01
+  assert all(r["beside_share"] is None or 0 <= r["beside_share"] <= 1 + 1e-9 for r in rec["top"])
   assert list((tmp_path / "c" / "trace").rglob("*.trace.json.gz"))
 
 
@@ -117,3 +119,27 @@ def test_cli_profile_needs_the_step_measurement_and_a_writable_folder(tmp_path, 
   assert cli.main(["bench", "step", "--config", "configs/tiny.yaml", "--profile", str(blocker / "p")]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and f"--profile '{blocker / 'p'}'" in err and "give a folder you can write" in err
+
+
+def test_side_by_side_counts_the_time_another_leaf_op_ran_beside_each_op():
+  text = """ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %fusion.1 = f32[8]{0} fusion(%a), kind=kLoop, calls=%f
+  %fusion.2 = f32[8]{0} fusion(%a), kind=kLoop, calls=%f
+  %fusion.3 = f32[8]{0} fusion(%a), kind=kLoop, calls=%f
+  ROOT %while.4 = f32[8]{0} while(%a), condition=%c, body=%b
+}
+"""
+  instrs, _ = profile.parse_hlo(text)
+  # fusion.1 [0, 10) twice over: [0, 10) and [30, 34); fusion.2 [5, 15); fusion.3 [12, 14) inside fusion.2;
+  # the loop's event spans everything and is not an op beside the others.
+  intervals = {"fusion.1": [(0.0, 10.0), (30.0, 4.0)], "fusion.2": [(5.0, 10.0)], "fusion.3": [(12.0, 2.0)],
+               "while.4": [(0.0, 40.0)]}
+  beside, totals = profile.side_by_side(intervals, instrs)
+  assert beside == pytest.approx({"fusion.1": 5.0, "fusion.2": 5.0 + 2.0, "fusion.3": 2.0})
+  assert totals == pytest.approx({"busy_s": 15.0 + 4.0, "side_by_side_s": 5.0 + 2.0})
+  rows = profile.op_table(profile.parse_hlo(text), {k: (sum(d for _, d in v), len(v)) for k, v in intervals.items()},
+                          beside)
+  share = {r["op"]: r["beside_share"] for r in rows}
+  assert share == pytest.approx({"fusion.1": 5.0 / 14.0, "fusion.2": 0.7, "fusion.3": 1.0, "while.4": None})
+  assert "beside" in profile.format_table(rows).splitlines()[0]
