@@ -291,7 +291,8 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
   """
   M, D = h_MxD.shape
   if M == 0:  # rows of one token: nothing to score
-    return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32) if with_entropy else None
+    empty = jnp.zeros((0,), jnp.float32)
+    return empty, (empty if with_entropy else None)
   C = min(chunk, M)
   n = -(-M // C)
   pad = n * C - M
