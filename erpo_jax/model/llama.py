@@ -290,10 +290,7 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
   scratch memory too. Returns (logp_M, entropy_M or None), float32.
   """
   M, D = h_MxD.shape
-  if M == 0:  # rows of one token: nothing to score
-    empty = jnp.zeros((0,), jnp.float32)
-    return empty, (empty if with_entropy else None)
-  C = min(chunk, M)
+  C = max(1, min(chunk, M))  # M = 0 (rows of one token): no chunks, empty results
   n = -(-M // C)
   pad = n * C - M
   h = jnp.pad(h_MxD, ((0, pad), (0, 0))).reshape(n, C, D)
