@@ -169,6 +169,11 @@ def trace_op_intervals(trace_dir: str | pathlib.Path, op_names: set[str]) -> dic
   return dict(out)
 
 
+def op_times(intervals: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, int]]:
+  """{op: (seconds, executions)} of trace_op_intervals' {op: [(start, duration), ...]}."""
+  return {k: (sum(d for _, d in v), len(v)) for k, v in intervals.items()}
+
+
 # Ops that hold other ops: a loop's or call's event spans the ops of its body.
 _CONTAINERS = {"while", "call", "conditional"}
 
@@ -277,8 +282,7 @@ def profile_call(run: Callable[[], Any], hlo_text: str, out_dir: str | pathlib.P
   parsed = parse_hlo(hlo_text)
   intervals = trace_op_intervals(trace_dir, set(parsed[0]))
   beside, overlap = side_by_side(intervals, parsed[0])
-  times = {k: (sum(d for _, d in v), len(v)) for k, v in intervals.items()}
-  rows = op_table(parsed, times, beside)
+  rows = op_table(parsed, op_times(intervals), beside)
   totals = summarise(rows, wall, overlap)
   (out / "ops.json").write_text(json.dumps({"totals": totals, "ops": rows}, indent=1) + "\n")
   (out / "ops.txt").write_text(format_table(rows, top=len(rows)) + "\n")

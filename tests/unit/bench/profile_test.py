@@ -138,8 +138,9 @@ def test_side_by_side_counts_the_time_another_leaf_op_ran_beside_each_op():
   beside, totals = profile.side_by_side(intervals, instrs)
   assert beside == pytest.approx({"fusion.1": 5.0, "fusion.2": 5.0 + 2.0, "fusion.3": 2.0})
   assert totals == pytest.approx({"busy_s": 15.0 + 4.0, "side_by_side_s": 5.0 + 2.0})
-  rows = profile.op_table(profile.parse_hlo(text), {k: (sum(d for _, d in v), len(v)) for k, v in intervals.items()},
-                          beside)
+  times = profile.op_times(intervals)
+  assert times == pytest.approx({"fusion.1": (14.0, 2), "fusion.2": (10.0, 1), "fusion.3": (2.0, 1), "while.4": (40.0, 1)})
+  rows = profile.op_table(profile.parse_hlo(text), times, beside)
   share = {r["op"]: r["beside_share"] for r in rows}
   assert share == pytest.approx({"fusion.1": 5.0 / 14.0, "fusion.2": 0.7, "fusion.3": 1.0, "while.4": None})
   assert "beside" in profile.format_table(rows).splitlines()[0]
