@@ -5,7 +5,9 @@ Imports no JAX: `bench --against` checks the peer's machine before any device st
 
 from __future__ import annotations
 
+import os
 import platform
+import shlex
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -19,6 +21,50 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
   except OSError:
     pass
   return platform.processor() or platform.machine() or "unknown"
+
+
+# Widest first: the x86 vector extensions that set XLA's and torch's CPU kernels apart.
+VECTOR_ISAS = (("avx512f", "AVX512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4_2"))
+
+
+def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+  """The CPU's widest vector ISA ("AVX512", "AVX2", ...) by its /proc/cpuinfo flags, "+BF16" where it has
+  bfloat16 dot instructions (avx512_bf16 or amx_bf16); None where there are no x86 flags to read."""
+  try:
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+          flags = set(value.split())
+          isa = next((name for flag, name in VECTOR_ISAS if flag in flags), "x86")
+          return isa + ("+BF16" if flags & {"avx512_bf16", "amx_bf16"} else "")
+  except OSError:
+    pass
+  return None
+
+
+def xla_max_isa(xla_flags: str | None = None) -> str | None:
+  """The ISA XLA's CPU backend is held to by --xla_cpu_max_isa in XLA_FLAGS (the last one given), else None.
+
+  The flag holds the code XLA generates (fusions) but not its matmul library: on an AVX-512 machine the
+  products still run at the AVX-512 speed, so a run held to AVX2 does not stand for an AVX2 machine (README,
+  Performance). Records carry it so that a run made with it says so."""
+  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  limit = None
+  for i, word in enumerate(words := shlex.split(flags)):
+    if word.startswith("--xla_cpu_max_isa="):
+      limit = word.partition("=")[2]
+    elif word == "--xla_cpu_max_isa" and i + 1 < len(words):
+      limit = words[i + 1]
+  return limit.upper() if limit else None
+
+
+def isa_family(isa: str | None) -> str | None:
+  """"AVX512" for any AVX512* name (XLA's AVX512_BF16, torch's AVX512), else the name without +BF16."""
+  if not isa:
+    return None
+  isa = isa.upper().partition("+")[0]
+  return "AVX512" if isa.startswith("AVX512") else isa
 
 
 # Data-sheet peaks per device_kind prefix (jax.devices()[0].device_kind): dense bfloat16 matmul FLOP/s

@@ -22,6 +22,7 @@ import json
 import math
 from typing import Any
 
+from erpo_jax.bench import machine
 from erpo_jax.errors import DataError, PathError
 
 SCRIPT = "scripts/peers/trl_grpo_bench.py"
@@ -69,9 +70,10 @@ def load_peer(path: str) -> dict[str, Any]:
     raise DataError(f"--against '{path}': expected a JSON object (the summary of {SCRIPT}), "
                     f"got {type(summary).__name__}")
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
-  cpu = host.get("cpu_model")
+  cpu, isa = host.get("cpu_model"), host.get("torch_cpu_capability")
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
           "cpu_model": cpu if isinstance(cpu, str) and cpu else None, "host_cpus": host.get("cpus"),
+          "isa": isa if isinstance(isa, str) and isa else None,
           "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
 
 
@@ -103,12 +105,18 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
   elif peer["cpu_model"] != cpu_model:
     warnings.append(f"the peer was measured on '{peer['cpu_model']}' and erpo-jax on '{cpu_model}': the ratios "
                     f"compare different machines")
+  isa = rl.get("xla_max_isa") or rl.get("cpu_isa")
+  if platform == "cpu" and machine.isa_family(isa) and machine.isa_family(peer["isa"]) and (
+      machine.isa_family(isa) != machine.isa_family(peer["isa"])):
+    warnings.append(f"erpo-jax's CPU code ran as {machine.isa_family(isa)} and the peer's torch kernels as "
+                    f"{machine.isa_family(peer['isa'])}: the ratios compare different instruction sets")
   if peer["device"] is not None and peer["device"] != platform:
     warnings.append(f"erpo-jax ran on {platform} ({kind}) and the peer on {peer['device']}: the ratios compare "
                     f"different devices")
   return {"peer": peer["framework"], "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
-          "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind},
-                      "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"]}},
+          "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind, "isa": isa},
+                      "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"],
+                               "isa": peer["isa"]}},
           "warnings": warnings}
 
 
@@ -116,7 +124,10 @@ def report(rec: dict[str, Any]) -> list[str]:
   """Human lines of an `against` record (the bench prints them on stderr): warnings, then the ratios."""
   shown = ", ".join(f"{name.replace('_rss', ' RSS')} {v:.2f}x" for name, v in rec["ratios"].items() if v is not None)
   m = rec["machine"]
-  where = (f"erpo-jax on {m['erpo_jax']['cpu_model']} ({m['erpo_jax']['platform']}), "
-           f"{rec['peer']} on {m['peer']['cpu_model'] or 'an unnamed CPU'} ({m['peer']['device'] or 'unknown'})")
+  def on(side: dict[str, Any], device: str | None) -> str:
+    return ", ".join(x for x in (device or "unknown", side.get("isa")) if x)
+
+  where = (f"erpo-jax on {m['erpo_jax']['cpu_model']} ({on(m['erpo_jax'], m['erpo_jax']['platform'])}), "
+           f"{rec['peer']} on {m['peer']['cpu_model'] or 'an unnamed CPU'} ({on(m['peer'], m['peer']['device'])})")
   return ([f"warning: {w}" for w in rec["warnings"]]
           + [f"bench --against {rec['file']}: erpo-jax / {rec['peer']}: {shown or 'no figures'}; {where}"])

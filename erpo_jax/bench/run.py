@@ -115,9 +115,9 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
       rec["error"] = timing["error"]
     else:
       rec.update(timing["variants"][i])
-      rec.update({k: timing[k] for k in ("iters", "warmup", "platform", "device_kind", "cpu_model", "host_cpus",
-                                         "local_peak_flops_per_s", "load_avg_start", "load_avg_end",
-                                         "compile_cache")})
+      rec.update({k: timing[k] for k in ("iters", "warmup", "platform", "device_kind", "cpu_model", "cpu_isa",
+                                         "xla_max_isa", "host_cpus", "local_peak_flops_per_s", "load_avg_start",
+                                         "load_avg_end", "compile_cache")})
       rec["timing_process_peak_rss_bytes"] = timing["peak_rss_bytes"]
       with_utilisation(rec, device, "flops_per_s", "utilisation")
     mem = run_worker("step_memory", c, iters=1, warmup=0, tmp=tmp)

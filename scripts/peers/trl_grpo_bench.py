@@ -375,7 +375,12 @@ def main():
         "framework": "trl.GRPOTrainer",
         "device": "cpu",
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "cpu_model": cpu_model(),
-                 "python": platform.python_version()},
+                 "python": platform.python_version(),
+                 # the vector ISA torch's CPU kernels dispatch to (ATEN_CPU_CAPABILITY lowers it), and the
+                 # variables that hold its MKL and oneDNN products to an ISA, where set
+                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                                                        "ONEDNN_MAX_CPU_ISA") if k in os.environ}},
         "versions": {
             "torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
             "datasets": datasets.__version__,

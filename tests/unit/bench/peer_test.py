@@ -56,6 +56,21 @@ def test_a_peer_file_without_a_cpu_model_says_the_ratio_assumes_this_machine(tmp
   assert len(rec["warnings"]) == 1 and "does not name the CPU" in rec["warnings"][0] and CPU in rec["warnings"][0]
 
 
+def test_erpo_jax_held_to_avx2_against_a_peer_on_avx512_kernels_is_a_warning(tmp_path):
+  summary = {**SUMMARY, "host": {**SUMMARY["host"], "torch_cpu_capability": "AVX512"}}
+  held = {**RL, "cpu_isa": "AVX512+BF16", "xla_max_isa": "AVX2"}
+  rec = peer.compare(held, peer.load_peer(_write(tmp_path, summary)), CPU)
+  assert rec["warnings"] == ["erpo-jax's CPU code ran as AVX2 and the peer's torch kernels as AVX512: the ratios "
+                             "compare different instruction sets"]
+  assert (rec["machine"]["erpo_jax"]["isa"], rec["machine"]["peer"]["isa"]) == ("AVX2", "AVX512")
+  assert "(cpu, AVX2)" in peer.report(rec)[-1] and "(cpu, AVX512)" in peer.report(rec)[-1]
+  # Both held to AVX2 (torch by ATEN_CPU_CAPABILITY=avx2): no warning; XLA's AVX512_BF16 is the AVX512 family.
+  both = {**summary, "host": {**summary["host"], "torch_cpu_capability": "AVX2"}}
+  assert peer.compare(held, peer.load_peer(_write(tmp_path, both)), CPU)["warnings"] == []
+  unheld = {**RL, "cpu_isa": "AVX512+BF16", "xla_max_isa": "AVX512_BF16"}
+  assert peer.compare(unheld, peer.load_peer(_write(tmp_path, summary)), CPU)["warnings"] == []
+
+
 def test_the_printed_log_is_read_from_its_last_summary_line(tmp_path):
   log = ("[step] {...}\nSUMMARY_JSON " + json.dumps({**SUMMARY, "step_wall_s": {"median": 80.0}})
          + "\nSUMMARY_JSON " + json.dumps(SUMMARY) + "\n")
