@@ -134,6 +134,20 @@ def test_bf16_compute_is_close_to_f32():
     assert diff.mean() < 0.05 and diff.max() < 0.5, (param_dtype, diff.mean(), diff.max())
 
 
+def test_bf16_products_on_the_cpu_round_their_float32_sums_once():
+  from erpo_jax.model.llama import dense
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (4, 8, 3, 64), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (3, 64, 96), jnp.float32).astype(jnp.bfloat16)
+  y = jax.jit(lambda a, b: dense(a, b, 2))(x, w)
+  assert y.dtype == jnp.bfloat16 and y.shape == (4, 8, 96)
+  exact = np.asarray(x, np.float64).reshape(32, 192) @ np.asarray(w, np.float64).reshape(192, 96)
+  # One rounding to bfloat16 (8 significant bits): within one unit in the last place of the exact sum.
+  np.testing.assert_allclose(np.asarray(y, np.float64).reshape(32, 96), exact, rtol=2.0 ** -7, atol=1e-3)
+  jaxpr = str(jax.make_jaxpr(lambda a, b: dense(a, b, 2))(x, w))
+  assert "preferred_element_type=float32" in jaxpr and "preferred_element_type=bfloat16" not in jaxpr
+
+
 SHARDED = """
 import jax, numpy as np
 from erpo_jax.parallel import mesh as mesh_lib
