@@ -1,4 +1,5 @@
-"""What a bench ran on: the host CPU's model name and the data-sheet peaks of known accelerators.
+"""What a bench ran on: the host CPU's model name and vector ISA, the share of its CPU time the hypervisor
+gave to other machines, and the data-sheet peaks of known accelerators.
 
 Imports no JAX: `bench --against` checks the peer's machine before any device starts.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+from typing import Any
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -65,6 +67,42 @@ def isa_family(isa: str | None) -> str | None:
     return None
   isa = isa.upper().partition("+")[0]
   return "AVX512" if isa.startswith("AVX512") else isa
+
+
+def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
+  """(steal, total) clock ticks of all the host's CPUs since boot, from /proc/stat; None where absent."""
+  try:
+    with open(stat, encoding="ascii") as f:
+      fields = f.readline().split()
+  except OSError:
+    return None
+  if len(fields) < 9 or fields[0] != "cpu":
+    return None
+  ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+  return ticks[7], sum(ticks)
+
+
+def steal_share(start: tuple[int, int] | None, end: tuple[int, int] | None = None) -> float | None:
+  """The share of the CPU time between two `cpu_times` that the hypervisor gave to other machines.
+
+  A host shared with other virtual machines runs slower while they are busy; the load average does not show
+  it, so timings carry this beside it (`steal_warning`)."""
+  end = cpu_times() if end is None else end
+  if start is None or end is None or end[1] <= start[1]:
+    return None
+  return round((end[0] - start[0]) / (end[1] - start[1]), 4)
+
+
+# A record whose steal_share is above this gets a warning line on stderr.
+STEAL_WARN = 0.05
+
+
+def steal_warning(rec: dict[str, Any]) -> str | None:
+  """The warning line of a record measured while other virtual machines took over STEAL_WARN of the CPU."""
+  if (rec.get("steal_share") or 0) <= STEAL_WARN:
+    return None
+  return (f"warning: bench {rec['name']}: the hypervisor gave {rec['steal_share']:.0%} of the host's CPU time to "
+          f"other machines while it ran; its times are slower than this machine's own")
 
 
 # Data-sheet peaks per device_kind prefix (jax.devices()[0].device_kind): dense bfloat16 matmul FLOP/s

@@ -117,7 +117,7 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
       rec.update(timing["variants"][i])
       rec.update({k: timing[k] for k in ("iters", "warmup", "platform", "device_kind", "cpu_model", "cpu_isa",
                                          "xla_max_isa", "host_cpus", "local_peak_flops_per_s", "load_avg_start",
-                                         "load_avg_end", "compile_cache")})
+                                         "load_avg_end", "steal_share", "compile_cache")})
       rec["timing_process_peak_rss_bytes"] = timing["peak_rss_bytes"]
       with_utilisation(rec, device, "flops_per_s", "utilisation")
     mem = run_worker("step_memory", c, iters=1, warmup=0, tmp=tmp)
@@ -240,6 +240,8 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
     rec = {"name": name, **fields, **rec}
     records.append(rec)
     emit(rec, out)
+    if machine.steal_warning(rec):
+      print(machine.steal_warning(rec), file=sys.stderr, flush=True)
     return rec
 
   with tempfile.TemporaryDirectory(prefix="erpo-bench-") as tmp:

@@ -249,8 +249,9 @@ def test_step_runs_only_the_chosen_variants_and_shared_prefix_settings(monkeypat
     if kind == "steps":
       return {"variants": [{"time_s": 1.0, "flops_per_s": 2.0, "dtype": "float32"} for _ in cfgs],
               "iters": iters, "warmup": warmup, "platform": "cpu", "device_kind": "cpu", "cpu_model": "x",
-              "cpu_isa": "AVX2", "xla_max_isa": None, "host_cpus": 2, "local_peak_flops_per_s": 4.0, "load_avg_start": [0.0], "load_avg_end": [0.0],
-              "compile_cache": {}, "peak_rss_bytes": 1}
+              "cpu_isa": "AVX2", "xla_max_isa": None, "host_cpus": 2, "local_peak_flops_per_s": 4.0,
+              "load_avg_start": [0.0], "load_avg_end": [0.0], "steal_share": 0.0, "compile_cache": {},
+              "peak_rss_bytes": 1}
     return {"peak_rss_bytes": 1, "peak_device_bytes": None, "first_call_s": 1.0, "load_avg_end": [0.0]}
 
   monkeypatch.setattr(bench_run, "run_worker", fake_worker)

@@ -1,4 +1,5 @@
-"""The machine a bench ran on: its CPU's vector ISA from /proc/cpuinfo and the ISA XLA_FLAGS holds XLA to."""
+"""The machine a bench ran on: its CPU's vector ISA from /proc/cpuinfo, the ISA XLA_FLAGS holds XLA to, and the
+CPU time the hypervisor gave to other machines while it measured."""
 
 import pytest
 
@@ -51,3 +52,27 @@ def test_xla_max_isa_reads_the_environment_by_default(monkeypatch):
                                         ("AVX2+BF16", "AVX2"), (None, None), ("", None)])
 def test_isa_family_groups_the_avx512_variants(isa, family):
   assert machine.isa_family(isa) == family
+
+
+def test_steal_share_is_the_hypervisors_part_of_the_cpu_time_between_two_reads(tmp_path):
+  stat = tmp_path / "stat"
+  # user nice system idle iowait irq softirq steal guest guest_nice
+  stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 50 0 25 400 0 0 0 25 0 0\nintr 1\n")
+  before = machine.cpu_times(str(stat))
+  stat.write_text("cpu  200 0 100 1500 0 0 0 200 0 0\n")
+  after = machine.cpu_times(str(stat))
+  assert (before, after) == ((50, 1000), (200, 2000))
+  assert machine.steal_share(before, after) == 0.15  # 150 of 1000 ticks
+  assert machine.steal_share(None, after) is None and machine.steal_share(after, after) is None
+  assert machine.cpu_times(str(tmp_path / "absent")) is None
+  stat.write_text("intr 1\n")
+  assert machine.cpu_times(str(stat)) is None
+
+
+def test_a_record_measured_while_other_machines_took_the_cpu_gets_a_warning_line():
+  assert machine.steal_warning({"name": "rl", "steal_share": 0.05}) is None
+  assert machine.steal_warning({"name": "rl", "steal_share": None}) is None
+  assert machine.steal_warning({"name": "rl"}) is None
+  assert machine.steal_warning({"name": "rl", "steal_share": 0.32}) == (
+      "warning: bench rl: the hypervisor gave 32% of the host's CPU time to other machines while it ran; its times "
+      "are slower than this machine's own")
