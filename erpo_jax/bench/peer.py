@@ -106,10 +106,10 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
     warnings.append(f"the peer was measured on '{peer['cpu_model']}' and erpo-jax on '{cpu_model}': the ratios "
                     f"compare different machines")
   isa = rl.get("xla_max_isa") or rl.get("cpu_isa")
-  if platform == "cpu" and machine.isa_family(isa) and machine.isa_family(peer["isa"]) and (
-      machine.isa_family(isa) != machine.isa_family(peer["isa"])):
-    warnings.append(f"erpo-jax's CPU code ran as {machine.isa_family(isa)} and the peer's torch kernels as "
-                    f"{machine.isa_family(peer['isa'])}: the ratios compare different instruction sets")
+  ours_isa, peer_isa = machine.isa_family(isa), machine.isa_family(peer["isa"])
+  if platform == "cpu" and ours_isa and peer_isa and ours_isa != peer_isa:
+    warnings.append(f"erpo-jax's CPU code ran as {ours_isa} and the peer's torch kernels as {peer_isa}: the ratios "
+                    f"compare different instruction sets")
   if peer["device"] is not None and peer["device"] != platform:
     warnings.append(f"erpo-jax ran on {platform} ({kind}) and the peer on {peer['device']}: the ratios compare "
                     f"different devices")

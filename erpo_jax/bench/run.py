@@ -240,8 +240,9 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
     rec = {"name": name, **fields, **rec}
     records.append(rec)
     emit(rec, out)
-    if machine.steal_warning(rec):
-      print(machine.steal_warning(rec), file=sys.stderr, flush=True)
+    warning = machine.steal_warning(rec)
+    if warning:
+      print(warning, file=sys.stderr, flush=True)
     return rec
 
   with tempfile.TemporaryDirectory(prefix="erpo-bench-") as tmp:
