@@ -68,6 +68,7 @@ def synthetic_batch(prompt_tokens: list[list[int]], group_size: int, max_new_tok
           "rewards": rng.integers(0, 2, N).astype(np.float32), "ref_logp": ref_logp,
           "static_weight": rng.uniform(0.5, 2.0, N).astype(np.float32),
           "truncated": np.zeros(N, bool),  # every row stays in the loss whatever ppo.mask_truncated says
+          "policy_kl": np.bool_(True),  # a variant given reference params runs their forward
           "prompt_len": len_N,
           "response_len": resp_len_N}
 

@@ -79,8 +79,8 @@ def sharding_for_axes(mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Rows over (data, fsdp), every other dim whole."""
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+  """Rows over (data, fsdp), every other dim whole; a scalar (ndim 0, no rows) is replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))) if ndim else P())
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -37,12 +37,12 @@ def to_host(roll) -> HostRollout:
 
 
 def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, group_size: int, ref_cache,
-                   mesh, question_masks_B: list | None = None) -> train_step.UpdateBatch:
+                   mesh, question_masks_B: list | None = None, policy_kl: bool = False) -> train_step.UpdateBatch:
   """Trims to the longest row of all processes (bucketed), fills cached reference log-probs and static weights.
 
   query_mask is the prompt mask, or with question_masks_B (erpo.query_span=question: one bool list per
-  local prompt, over its tokens) only the question's tokens. Each process passes its own rows; all must
-  call it (one collective agrees on S).
+  local prompt, over its tokens) only the question's tokens. policy_kl: the step logs kl/policy (the same on
+  every process). Each process passes its own rows; all must call it (one collective agrees on S).
   """
   N, S_full = h.tokens.shape
   longest = transfer.allgather_rows(np.array([(h.prompt_len + h.response_len).max()]))
@@ -70,7 +70,7 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
       query_mask[n, :len(m)] = m
   local = dict(tokens=h.tokens[:, :S].astype(np.int32), prompt_mask=h.prompt_mask[:, :S], query_mask=query_mask,
                response_mask=h.response_mask[:, :S], rewards=rewards_N.astype(np.float32), ref_logp=ref_logp,
-               static_weight=static_w, truncated=h.truncated.astype(bool))
+               static_weight=static_w, truncated=h.truncated.astype(bool), policy_kl=np.bool_(policy_kl))
   return train_step.UpdateBatch(**{
       k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
 

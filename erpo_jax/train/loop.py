@@ -129,8 +129,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   graphdef, params = nnx.split(model)
   param_sh = mesh_lib.param_shardings(params, mesh)
 
-  # The frozen reference: a copy of the initial weights, in the step (forward) or only for
-  # the Policy-KL metric (cached: the step variant with a reference forward, every log.policy_kl_every steps).
+  # The frozen reference: a copy of the initial weights, in the step (forward) or only for the Policy-KL
+  # metric (cached: the step runs a reference forward on the steps that log it, every log.policy_kl_every).
   ref_params, ref_sh = None, None
   forward = cfg.erpo.reference == "forward"
   if forward or cfg.log.policy_kl_every:
@@ -142,13 +142,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   opt_sh = optim.opt_state_shardings(tx, params, param_sh, mesh)
   opt_state = optim.init_opt_state(tx, params, opt_sh)
   step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh, param_shardings=param_sh,
-                                        opt_shardings=opt_sh, ref_shardings=ref_sh if forward else None)
-  # Cached reference: the steps that log the Policy-KL run this variant, with one reference forward.
-  policy_kl_step_fn = None
-  if not forward and ref_params is not None:
-    policy_kl_step_fn = train_step.build_train_step(graphdef, tx, schedule, cfg, mesh=mesh,
-                                                    param_shardings=param_sh, opt_shardings=opt_sh,
-                                                    ref_shardings=ref_sh)
+                                        opt_shardings=opt_sh, ref_shardings=ref_sh)
+  cached_policy_kl = not forward and ref_params is not None
 
   data = make_train_iterator(cfg, tokenizer, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -228,16 +223,15 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         index_log.flush()
       t2 = time.perf_counter()
 
-      update = assemble_batch(host, rewards_N, np.asarray(batch.index), G, ref_cache, mesh,
-                              batch.question_masks if cfg.erpo.query_span == "question" else None)
-      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps
-      want_policy_kl = policy_kl_step_fn is not None and log_step and (step % cfg.log.policy_kl_every == 0
-                                                                      or step == cfg.train.steps)
+      want_policy_kl = cached_policy_kl and log_step and (step % cfg.log.policy_kl_every == 0
+                                                          or step == cfg.train.steps)
+      update = assemble_batch(host, rewards_N, np.asarray(batch.index), G, ref_cache, mesh,
+                              batch.question_masks if cfg.erpo.query_span == "question" else None, want_policy_kl)
+      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       t3 = time.perf_counter()
-      fn, ref = (policy_kl_step_fn, ref_params) if want_policy_kl else (step_fn, ref_params if forward else None)
-      params, opt_state, dev_metrics = fn(params, opt_state, ref, update, prompt_bucket,
-                                          response_capacity(cfg, host, mesh))
+      params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update, prompt_bucket,
+                                               response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       if step == start + 1:
@@ -256,6 +250,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         evaluation = {}
       if log_step or evaluation:
         last = {k: float(v) for k, v in jax.device_get(dev_metrics).items()}
+        if cached_policy_kl and not want_policy_kl:
+          del last["kl/policy"]  # this step ran no reference forward
         last.update(rollout_metrics(host, rewards_N, scored.correct, t4 - t0, scored.timeouts, scored.crashes,
                                     penalty_N))
         last.update(sampling)

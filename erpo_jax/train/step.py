@@ -47,6 +47,7 @@ class UpdateBatch:
   ref_logp: jax.Array  # [N, S] float32 cached reference log-probs at prompt positions (reference=cached)
   static_weight: jax.Array  # [N] float32 w(q) from the static-weight cache (weights=static)
   truncated: jax.Array  # [N] bool, no EOS within rollout.max_new_tokens
+  policy_kl: jax.Array  # [] bool, log kl/policy: with erpo.reference=cached, run the reference forward this step
 
 
 def needs_old_pass(ppo: PpoSection, weights: str = "none") -> bool:
@@ -77,8 +78,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   ref_shardings: the reference's shardings when the step takes reference params. With
   erpo.reference=forward the loss uses the reference forward; with erpo.reference=cached the
   loss keeps the cached prompt log-probs and the forward serves only the Policy-KL metric,
-  one forward on the steps that log it (without ref_shardings the cached step has no
-  reference forward and no kl/policy).
+  run by the same program on the steps whose batch.policy_kl is True (kl/policy is NaN on the
+  others; without ref_shardings the cached step has no reference forward and no kl/policy).
   """
   e, p, G = cfg.erpo, cfg.ppo, cfg.rollout.group_size
   temperature = logprobs.scoring_temperature(cfg.rollout.temperature)
@@ -111,9 +112,12 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     ref_logp = whole_batch_logp(ref_params) if e.reference == "forward" else batch.ref_logp
     # Cached reference with reference params: their forward gives the responses' reference log-probs, for
     # kl/policy only; the prompts keep the cached ones, so kl/query and the loss are those of the cached step.
+    # The forward runs on the steps whose batch.policy_kl is set: one program for every step.
     policy_kl_only = e.reference == "cached" and ref_params is not None
     if policy_kl_only:
-      metric_ref_logp = jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params))
+      metric_ref_logp = jax.lax.cond(
+          batch.policy_kl, lambda: jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params)),
+          lambda: batch.ref_logp)
     if old_pass:
       old_logp = whole_batch_logp(params)
     else:
@@ -203,11 +207,14 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
                                         else jnp.zeros((), jnp.float32))  # fraction of rows left out of the loss
     if e.reference == "cached" and not policy_kl_only:
       del metrics["kl/policy"]  # cached reference log-probs cover prompt tokens only
+    elif policy_kl_only:  # NaN on the steps that skip the reference forward
+      metrics["kl/policy"] = jnp.where(batch.policy_kl, metrics["kl/policy"], jnp.nan)
     return params, opt_state, metrics
 
   rows2, rows1 = mesh_lib.batch_sharding(mesh, 2), mesh_lib.batch_sharding(mesh, 1)
   batch_sh = UpdateBatch(tokens=rows2, prompt_mask=rows2, query_mask=rows2, response_mask=rows2, rewards=rows1,
-                         ref_logp=rows2, static_weight=rows1, truncated=rows1)
+                         ref_logp=rows2, static_weight=rows1, truncated=rows1,
+                         policy_kl=mesh_lib.batch_sharding(mesh, 0))
   # Params and optimizer state are donated: the update happens in place in device memory.
   # prompt_bucket and response_capacity are static: one compile per value met.
   return jax.jit(step, in_shardings=(param_shardings, opt_shardings, ref_shardings, batch_sh),

@@ -99,3 +99,20 @@ def test_a_cached_step_given_the_reference_logs_the_policy_kl_of_the_forward_ste
     assert float(with_kl[key]) == pytest.approx(float(plain[key]), rel=1e-6, abs=1e-9), key
   for a, b in zip(jax.tree.leaves(p_kl), jax.tree.leaves(p_plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+
+
+def test_one_compiled_cached_step_runs_the_reference_forward_only_on_the_steps_that_log_the_policy_kl():
+  """A cached-reference run compiles one update: batch.policy_kl picks whether it runs the reference forward."""
+  batch = st.make_batch()
+  cfg = st.tiny_cfg("erpo.reference=cached", "erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5")
+  plain_step, _, params, ref, opt = st.build(cfg)
+  p_plain, _, plain = plain_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), None, batch)
+  step = st.build(cfg, with_reference=True)[0]
+  _, _, logged = step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), ref, batch)
+  p_skip, _, skipped = step(params, opt, ref, batch.replace(policy_kl=jnp.asarray(False)))
+  assert step._cache_size() == 1
+  assert float(logged["kl/policy"]) > 1e-3 and np.isnan(float(skipped["kl/policy"]))
+  for key in ("loss/total", "loss/kl", "kl/query", "optim/grad_norm"):
+    assert float(skipped[key]) == pytest.approx(float(plain[key]), rel=1e-6, abs=1e-9), key
+  for a, b in zip(jax.tree.leaves(p_skip), jax.tree.leaves(p_plain)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)

@@ -14,8 +14,8 @@ from erpo_jax.train import optim
 
 
 def copies(batch, m):
-  """The batch repeated m times along the rows (whole groups, so each minibatch is one copy)."""
-  return jax.tree.map(lambda x: jnp.concatenate([x] * m), batch)
+  """The batch repeated m times along the rows (whole groups, so each minibatch is one copy); scalars kept."""
+  return jax.tree.map(lambda x: jnp.concatenate([x] * m) if x.ndim else x, batch)
 
 
 def test_each_of_m_minibatches_of_m_copies_is_the_step_of_one_copy():

@@ -47,7 +47,8 @@ def make_batch(seed=0, n=B * G, s=S):
       rewards=jnp.asarray(rng.integers(0, 2, n).astype(np.float32)),
       ref_logp=jnp.asarray(np.where(prompt_mask, -rng.random((n, s)) * 5, 0).astype(np.float32)),
       static_weight=jnp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32)),
-      truncated=jnp.asarray(np.arange(n) % 3 == 1))  # flags only: ppo.mask_truncated decides what they do
+      truncated=jnp.asarray(np.arange(n) % 3 == 1),  # flags only: ppo.mask_truncated decides what they do
+      policy_kl=jnp.asarray(True))  # a cached step given reference params runs their forward
 
 
 def build(cfg, devices=None, model_seed=0, with_reference=None):
