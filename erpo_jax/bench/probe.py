@@ -43,6 +43,18 @@ def load_average() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
 
+def host_window() -> tuple:
+  """The host's load average and CPU times now: the start of a timing, for `host_window_fields`."""
+  return load_average(), machine.cpu_times()
+
+
+def host_window_fields(start: tuple) -> dict[str, Any]:
+  """A timing's host fields from `host_window()` to now: load_avg_start, load_avg_end and steal_share (the
+  share of the host's CPU time the hypervisor gave to other machines meanwhile)."""
+  load0, cpu0 = start
+  return {"load_avg_start": load0, "load_avg_end": load_average(), "steal_share": machine.steal_share(cpu0)}
+
+
 def peak_memory() -> dict[str, int | None]:
   """Peak resident memory of this process, and of the device where the backend reports it.
 

@@ -26,6 +26,7 @@ def measure_reference(cfg, *, iters: int, warmup: int,
                       tokens_per_batch: int = reference_cache.TOKENS_PER_BATCH) -> dict[str, Any]:
   """Seconds of the whole reference pass over the config's training prompts: the first call (compiling)
   apart, then the median of `iters` after `warmup` more; useful FLOP/s and the packing's fill."""
+  window = bench_probe.host_window()
   mesh = mesh_lib.make_mesh(cfg.mesh)
   model, tokenizer = load_model(cfg.model)
   mesh_lib.shard_model(model, mesh)
@@ -49,5 +50,5 @@ def measure_reference(cfg, *, iters: int, warmup: int,
       "first_call_s": first, "time_s": t, "times_s": times, "iters": iters, "warmup": warmup,
       "prompts_per_s": len(prompts) / t, "useful_flops": work, "flops_per_s": work / t,
       "dtype": cfg.model.dtype, "platform": dev.platform, "device_kind": dev.device_kind,
-      **bench_probe.device_info(), "load_avg_end": bench_probe.load_average(),
+      **bench_probe.device_info(), **bench_probe.host_window_fields(window),
   }

@@ -20,7 +20,6 @@ import tempfile
 from typing import Any
 
 from erpo_jax.bench import flops as bench_flops
-from erpo_jax.bench import machine
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
 from erpo_jax.model.io.loading import model_config
@@ -80,7 +79,7 @@ def work_per_step(cfg, mc, rows: list[dict]) -> dict[str, Any]:
 def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Median per-phase step times of `iters` real training steps after `warmup`, and peak RSS."""
 
-  load0, cpu0 = bench_probe.load_average(), machine.cpu_times()
+  window = bench_probe.host_window()
   run_dir = tempfile.mkdtemp(prefix="erpo-bench-rl-")
   try:
     train(bench_config(cfg, run_dir, warmup + iters))
@@ -94,6 +93,5 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
          **summarize_steps(rows, warmup),
          **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
          **bench_probe.peak_memory(), **bench_probe.device_info(),
-         "load_avg_start": load0, "load_avg_end": bench_probe.load_average(),
-         "steal_share": machine.steal_share(cpu0)}
+         **bench_probe.host_window_fields(window)}
   return out

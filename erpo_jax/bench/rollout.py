@@ -22,7 +22,6 @@ from flax import nnx
 
 from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
-from erpo_jax.bench import machine
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
@@ -62,7 +61,7 @@ def _time_generate(sampler: Sampler, params, prompts, G: int, *, iters: int, war
 
 def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Prefill and decode throughput of the configured B prompts x G samples x M tokens."""
-  load0, cpu0 = bench_probe.load_average(), machine.cpu_times()
+  window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.shard_model(model, mesh)
@@ -102,8 +101,7 @@ def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
       "param_bytes": param_bytes, "kv_bytes_per_step": kv_valid,
       "kv_bytes_per_step_all_slots": kv_bytes_per_step(mc, N, T, itemsize),
       **bench_probe.peak_memory(), **bench_probe.device_info(),
-      "load_avg_start": load0, "load_avg_end": bench_probe.load_average(),
-      "steal_share": machine.steal_share(cpu0)}
+      **bench_probe.host_window_fields(window)}
 
 
 def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens: int = 16) -> dict[str, Any]:
@@ -122,7 +120,7 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
 
 
 def _greedy_vs_sampler(cfg, *, iters: int, warmup: int, prompts_max: int, tokens: int) -> dict[str, Any]:
-  load0, cpu0 = bench_probe.load_average(), machine.cpu_times()
+  window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   prompts = prompts[:prompts_max]
   B = len(prompts)
@@ -153,5 +151,4 @@ def _greedy_vs_sampler(cfg, *, iters: int, warmup: int, prompts_max: int, tokens
           "uncached_tokens_per_s": B / uncached_step, "cached_tokens_per_s": B / cached_step,
           "cache_speedup": uncached_step / cached_step,
           **bench_probe.peak_memory(), **bench_probe.device_info(),
-          "load_avg_start": load0, "load_avg_end": bench_probe.load_average(),
-          "steal_share": machine.steal_share(cpu0)}
+          **bench_probe.host_window_fields(window)}

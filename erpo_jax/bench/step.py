@@ -28,7 +28,6 @@ from flax import nnx
 
 from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
-from erpo_jax.bench import machine
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.bench import profile as bench_profile
 from erpo_jax.parallel import mesh as mesh_lib
@@ -229,7 +228,7 @@ def measure_steps(cfgs: list, *, iters: int, warmup: int) -> dict[str, Any]:
   The cfgs differ only in erpo / model.shared_prefix settings; the first one's
   model, data, rollout and optimizer sections are used for all.
   """
-  load0, cpu0 = bench_probe.load_average(), machine.cpu_times()
+  window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfgs[0])
   mc = model.cfg
   need_ref = any(c.erpo.reference == "forward" for c in cfgs)
@@ -239,8 +238,7 @@ def measure_steps(cfgs: list, *, iters: int, warmup: int) -> dict[str, Any]:
   times = time_interleaved(inp, variants, iters=iters, warmup=warmup)
   return {"variants": [_record(mc, inp, v, t) for v, t in zip(variants, times)], "iters": iters, "warmup": warmup,
           **bench_probe.peak_memory(), **bench_probe.device_info(), "dtype": cfgs[0].model.dtype,
-          "load_avg_start": load0, "load_avg_end": bench_probe.load_average(),
-          "steal_share": machine.steal_share(cpu0)}
+          **bench_probe.host_window_fields(window)}
 
 
 def measure_step_memory(cfg) -> dict[str, Any]:
@@ -249,7 +247,7 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   The first call is where the peak is reached (later calls reuse the same
   plan); its time, compilation excluded, is reported as first_call_s.
   """
-  load0, cpu0 = bench_probe.load_average(), machine.cpu_times()
+  window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   forward = cfg.erpo.reference == "forward"
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
@@ -257,8 +255,7 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   v = build_variant(inp, cfg)
   first = bench_probe.timed(lambda: run_once(inp, v), iters=1, warmup=0)
   return {"first_call_s": first[0], "compile_s": v.compile_s, **compiled_memory(v.compiled),
-          **bench_probe.peak_memory(), "load_avg_start": load0, "load_avg_end": bench_probe.load_average(),
-          "steal_share": machine.steal_share(cpu0)}
+          **bench_probe.peak_memory(), **bench_probe.host_window_fields(window)}
 
 
 def profile_step(cfg, out_dir: str, *, warmup: int) -> dict[str, Any]:
