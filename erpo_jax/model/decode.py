@@ -66,7 +66,7 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Ar
   cosT = jnp.transpose(cos_N1x1xDh[:, 0], (1, 2, 0))  # [1, Dh, N]
   sinT = jnp.transpose(sin_N1x1xDh[:, 0], (1, 2, 0))
   x = rms_norm_cols(hT_DxN, p["attn_norm"], cfg.rms_norm_eps)
-  qT, kT, vT = p["wq"] @ x, p["wk"] @ x, p["wv"] @ x  # [H*Dh, N], [K*Dh, N], [K*Dh, N]
+  qT, kT, vT = mm(p["wq"], x), mm(p["wk"], x), mm(p["wv"], x)  # [H*Dh, N], [K*Dh, N], [K*Dh, N]
   if cfg.attention_bias:
     qT = qT + p["bq"].astype(dt).reshape(-1, 1)
     kT = kT + p["bk"].astype(dt).reshape(-1, 1)
@@ -76,8 +76,16 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Ar
   rows = lambda xT_HxDhxN: jnp.transpose(xT_HxDhxN, (2, 0, 1))  # [N, H, Dh]
   cache = cache.write(rows(kT)[:, None], rows(vT.reshape(K, Dh, N))[:, None], slot)
   o_NxHxDh = decode_attention(rows(qT), cache.k, cache.v, attend_NxT)
-  hT_DxN = hT_DxN + p["wo"] @ o_NxHxDh.reshape(N, H * Dh).T
+  hT_DxN = hT_DxN + mm(p["wo"], o_NxHxDh.reshape(N, H * Dh).T)
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
-  gT, uT = p["w_gate"] @ x, p["w_up"] @ x  # [F, N]
-  return hT_DxN + p["w_down"] @ (jax.nn.silu(gT) * uT), cache
+  gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]
+  return hT_DxN + mm(p["w_down"], jax.nn.silu(gT) * uT), cache
+
+
+def mm(w_OxI: jax.Array, xT_IxN: jax.Array) -> jax.Array:
+  """W [out, in] @ x^T [in, N]; bf16 products on the CPU keep float32 sums, rounded once, as `llama.dense`:
+  XLA's CPU runs bf16 x bf16 -> bf16 at float32's speed or below, and -> float32 in its bf16 kernels."""
+  if w_OxI.dtype == xT_IxN.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return jnp.matmul(w_OxI, xT_IxN, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  return w_OxI @ xT_IxN
 

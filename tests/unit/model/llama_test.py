@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,6 +147,76 @@ def test_bf16_products_on_the_cpu_round_their_float32_sums_once():
   np.testing.assert_allclose(np.asarray(y, np.float64).reshape(32, 96), exact, rtol=2.0 ** -7, atol=1e-3)
   jaxpr = str(jax.make_jaxpr(lambda a, b: dense(a, b, 2))(x, w))
   assert "preferred_element_type=float32" in jaxpr and "preferred_element_type=bfloat16" not in jaxpr
+
+
+def _exact_bf16(a):
+  return np.asarray(a, np.float64)
+
+
+@pytest.mark.parametrize("M", [48, 7])  # 48: the 3-D transpose; 7: no split of the rows, the plain one
+def test_bf16_dense_gradients_are_bf16_products_of_the_bf16_cotangent_rounded_once(M):
+  from erpo_jax.model.llama import dense
+  kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(kx, (M, 64), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (64, 96), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (M, 96), jnp.float32).astype(jnp.bfloat16)
+  y, pullback = jax.vjp(lambda a, b: dense(a, b, 1), x, w)
+  dx, dw = jax.jit(pullback)(dy)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+  np.testing.assert_allclose(_exact_bf16(dx), _exact_bf16(dy) @ _exact_bf16(w).T, rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(_exact_bf16(dw), _exact_bf16(x).T @ _exact_bf16(dy), rtol=2.0 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 48, 2048])
+def test_rows_transposed_is_the_transpose(M):
+  from erpo_jax.model.llama import rows_transposed
+  x = jnp.arange(M * 5, dtype=jnp.float32).reshape(M, 5).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(jax.jit(rows_transposed)(x), np.float32), np.asarray(x, np.float32).T)
+
+
+def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_values():
+  from erpo_jax.model.llama import lm_head_logits
+  kw, kh, kg = jax.random.split(jax.random.key(2), 3)
+  w = jax.random.normal(kw, (320, 64), jnp.float32).astype(jnp.bfloat16)
+  h = jax.random.normal(kh, (16, 64), jnp.float32).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (320, 16), jnp.float32)
+  logits, pullback = jax.vjp(lm_head_logits, w, h)
+  dw, dh = jax.jit(pullback)(g)
+  assert logits.dtype == jnp.float32 and dw.dtype == dh.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(logits, np.float64), _exact_bf16(w) @ _exact_bf16(h).T, rtol=1e-5, atol=1e-4)
+  g16 = _exact_bf16(g.astype(jnp.bfloat16))  # the cotangent is rounded to bf16 once, then summed in float32
+  np.testing.assert_allclose(_exact_bf16(dw), g16 @ _exact_bf16(h), rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(_exact_bf16(dh), g16.T @ _exact_bf16(w), rtol=2.0 ** -7, atol=1e-2)
+
+
+def test_no_product_of_a_bf16_layer_gradient_contracts_its_left_operands_first_axis_on_the_cpu():
+  """XLA's CPU runs bf16 products with float32 sums in its fast kernels only when the left operand contracts
+  its last axis; otherwise it converts both operands to float32 (README, Performance). The whole gradient
+  of a bf16 layer stack with remat, as the update computes it, has no product of the other form."""
+  net = tiny("tiny_llama", dtype="bfloat16", param_dtype="float32", remat="dots")
+  tokens = jnp.asarray(reference("tiny_llama")["tokens"])
+  graph, state = nnx.split(net)
+
+  def loss(state):
+    return -jnp.sum(logprobs.log_probs(nnx.merge(graph, state), tokens, chunk=16))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(state)
+  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  layer_dots = [e for e in dots if all(v.aval.ndim == 2 for v in e.invars)]
+  assert len(layer_dots) >= 7 * 3
+  for e in layer_dots:
+    (lhs_contract, _), _ = e.params["dimension_numbers"]
+    assert tuple(lhs_contract) == (1,), e
+    assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16] * 2, e
+  hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+  assert "lhs_contracting_dims={0}" not in hlo
+
+
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from _all_eqns(sub)
 
 
 SHARDED = """
