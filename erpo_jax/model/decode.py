@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from erpo_jax.model import cpu_bf16
 from erpo_jax.model.kv_cache import KVCache, decode_attention
 
 _NAMES = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
@@ -85,7 +86,7 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Ar
 def mm(w_OxI: jax.Array, xT_IxN: jax.Array) -> jax.Array:
   """W [out, in] @ x^T [in, N]; bf16 products on the CPU keep float32 sums, rounded once, as `llama.dense`:
   XLA's CPU runs bf16 x bf16 -> bf16 at float32's speed or below, and -> float32 in its bf16 kernels."""
-  if w_OxI.dtype == xT_IxN.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+  if cpu_bf16.applies(w_OxI, xT_IxN):
     return jnp.matmul(w_OxI, xT_IxN, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
   return w_OxI @ xT_IxN
 

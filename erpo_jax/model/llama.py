@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from erpo_jax.model import cpu_bf16
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols
 from erpo_jax.model.kv_cache import KVCache
@@ -221,54 +222,16 @@ def dense(x, w, contract: int):
   Leading dims of x are flattened into one token axis and w's into one input
   axis: XLA's CPU backward of a 3-D einsum transposes its big operands
   element by element; the 2-D form runs as plain matmuls both ways. On the
-  CPU bf16 products keep f32 sums, rounded once (`bf16_matmul_f32_sums`).
-  The product is named "dense" for the "dots" remat policy, before rounding:
-  XLA's CPU writes float32 saved outputs in place, where bf16 ones cost it a
-  convert of the whole stack of them (README, Performance).
+  CPU bf16 products keep f32 sums, rounded once after the "dense" name the
+  "dots" remat policy saves (`cpu_bf16`).
   """
   lead, ins, outs = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:], w.shape[contract:]
   x2, w2 = x.reshape(math.prod(lead), math.prod(ins)), w.reshape(math.prod(ins), math.prod(outs))
-  if x2.dtype == w2.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    y = checkpoint_name(bf16_matmul_f32_sums(x2, w2), "dense").astype(jnp.bfloat16)
+  if cpu_bf16.applies(x2, w2):
+    y = checkpoint_name(cpu_bf16.matmul_f32_sums(x2, w2), "dense").astype(jnp.bfloat16)
   else:
     y = checkpoint_name(x2 @ w2, "dense")
   return y.reshape(*lead, *outs)
-
-
-@jax.custom_vjp
-def bf16_matmul_f32_sums(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-  """bf16 [M, K] @ bf16 [K, N] -> float32 sums [M, N], with the backward's products in the same form:
-  the bf16 cotangent times bf16 operands, float32 sums, rounded to bf16 once. XLA's CPU runs such a
-  product in its fast kernels (YNNPACK: AVX512-BF16, AMX) only when the left operand contracts its last
-  axis; autodiff's weight gradient x^T @ dy contracts the token axis of both (and got a float32
-  cotangent), so XLA ran it as a float32 product."""
-  return jnp.matmul(x_MxK, w_KxN, preferred_element_type=jnp.float32)
-
-
-def _bf16_matmul_fwd(x_MxK, w_KxN):
-  return bf16_matmul_f32_sums(x_MxK, w_KxN), (x_MxK, w_KxN)
-
-
-def _bf16_matmul_bwd(res, dy_MxN):
-  x_MxK, w_KxN = res
-  f32, bf16 = jnp.float32, jnp.bfloat16
-  dy_MxN = dy_MxN.astype(bf16)
-  dx_MxK = jax.lax.dot_general(dy_MxN, w_KxN, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-  dw_KxN = jnp.matmul(rows_transposed(x_MxK), dy_MxN, preferred_element_type=f32)
-  return dx_MxK.astype(bf16), dw_KxN.astype(w_KxN.dtype)
-
-
-bf16_matmul_f32_sums.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
-
-
-def rows_transposed(x_MxK: jax.Array) -> jax.Array:
-  """x^T [K, M] as a transpose XLA keeps: a plain 2-D transpose feeding a product is folded into the
-  product's dimension numbers (the slow layout above); the same permutation through a 3-D view is not."""
-  M, K = x_MxK.shape
-  g = next((g for g in (16, 8, 4, 2) if M % g == 0 and M > g), 1)
-  if g == 1:
-    return x_MxK.T
-  return x_MxK.reshape(M // g, g, K).transpose(2, 0, 1).reshape(K, M)
 
 
 def rms_norm(x, w, eps):
@@ -345,7 +308,7 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
 
   @jax.checkpoint
   def one(h_CxD, t_C, temp_C):
-    logits_VxC = lm_head_logits(w_VxD, h_CxD) / temp_C[None]
+    logits_VxC = cpu_bf16.lm_head_logits(w_VxD, h_CxD) / temp_C[None]
     lse_C = jax.nn.logsumexp(logits_VxC, axis=0)
     logp_C = jnp.take_along_axis(logits_VxC, t_C[None], axis=0)[0] - lse_C
     if not with_entropy:
@@ -356,36 +319,6 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
   logp, ent = jax.lax.map(lambda x: one(*x), (h, t, temp))
   logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]
   return logp, (ent if with_entropy else None)
-
-
-def lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array) -> jax.Array:
-  """Float32 logits [V, C] = W [V, D] @ h^T; on the CPU in bfloat16 through `bf16_lm_head_logits`."""
-  if w_VxD.dtype == h_CxD.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    return bf16_lm_head_logits(w_VxD, h_CxD)
-  return jnp.matmul(w_VxD, h_CxD.T, preferred_element_type=jnp.float32)
-
-
-@jax.custom_vjp
-def bf16_lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array) -> jax.Array:
-  """W [V, D] @ h^T [D, C] -> float32 [V, C] with every product of the forward and backward in the form
-  XLA's CPU runs in its fast bf16 kernels (see `bf16_matmul_f32_sums`): h^T and, in the backward, the
-  cotangent's transpose are laid out by `rows_transposed`; the cotangent is rounded to bf16 once."""
-  return jnp.matmul(w_VxD, rows_transposed(h_CxD), preferred_element_type=jnp.float32)
-
-
-def _bf16_lm_head_fwd(w_VxD, h_CxD):
-  return bf16_lm_head_logits(w_VxD, h_CxD), (w_VxD, h_CxD)
-
-
-def _bf16_lm_head_bwd(res, g_VxC):
-  w_VxD, h_CxD = res
-  g_VxC = g_VxC.astype(jnp.bfloat16)
-  dw_VxD = jnp.matmul(g_VxC, h_CxD, preferred_element_type=jnp.float32)
-  dh_CxD = jnp.matmul(rows_transposed(g_VxC), w_VxD, preferred_element_type=jnp.float32)
-  return dw_VxD.astype(w_VxD.dtype), dh_CxD.astype(h_CxD.dtype)
-
-
-bf16_lm_head_logits.defvjp(_bf16_lm_head_fwd, _bf16_lm_head_bwd)
 
 
 def init_random(cfg: ModelConfig, *, seed: int = 0, dtype="float32", param_dtype="float32",

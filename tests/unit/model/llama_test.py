@@ -169,13 +169,13 @@ def test_bf16_dense_gradients_are_bf16_products_of_the_bf16_cotangent_rounded_on
 
 @pytest.mark.parametrize("M", [1, 3, 16, 48, 2048])
 def test_rows_transposed_is_the_transpose(M):
-  from erpo_jax.model.llama import rows_transposed
+  from erpo_jax.model.cpu_bf16 import rows_transposed
   x = jnp.arange(M * 5, dtype=jnp.float32).reshape(M, 5).astype(jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(jax.jit(rows_transposed)(x), np.float32), np.asarray(x, np.float32).T)
 
 
 def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_values():
-  from erpo_jax.model.llama import lm_head_logits
+  from erpo_jax.model.cpu_bf16 import lm_head_logits
   kw, kh, kg = jax.random.split(jax.random.key(2), 3)
   w = jax.random.normal(kw, (320, 64), jnp.float32).astype(jnp.bfloat16)
   h = jax.random.normal(kh, (16, 64), jnp.float32).astype(jnp.bfloat16)
