@@ -33,6 +33,14 @@ def rows_transposed(x_MxK: jax.Array) -> jax.Array:
   return x_MxK.reshape(M // g, g, K).transpose(2, 0, 1).reshape(K, M)
 
 
+def matmul_rounded(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a @ b; bf16 on the CPU as float32 sums rounded once to bf16 (XLA's CPU runs bf16 -> bf16 products at
+  float32's speed or below, bf16 -> float32 in its bf16 kernels). For products with no gradient (decode)."""
+  if applies(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  return a @ b
+
+
 @jax.custom_vjp
 def matmul_f32_sums(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
   """bf16 [M, K] @ bf16 [K, N] -> float32 sums [M, N]; the gradients are bf16, from float32 sums."""

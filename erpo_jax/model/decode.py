@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.model import cpu_bf16
+from erpo_jax.model.cpu_bf16 import matmul_rounded as mm
 from erpo_jax.model.kv_cache import KVCache, decode_attention
 
 _NAMES = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
@@ -81,12 +81,4 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Ar
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
   gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]
   return hT_DxN + mm(p["w_down"], jax.nn.silu(gT) * uT), cache
-
-
-def mm(w_OxI: jax.Array, xT_IxN: jax.Array) -> jax.Array:
-  """W [out, in] @ x^T [in, N]; bf16 products on the CPU keep float32 sums, rounded once, as `llama.dense`:
-  XLA's CPU runs bf16 x bf16 -> bf16 at float32's speed or below, and -> float32 in its bf16 kernels."""
-  if cpu_bf16.applies(w_OxI, xT_IxN):
-    return jnp.matmul(w_OxI, xT_IxN, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  return w_OxI @ xT_IxN
 

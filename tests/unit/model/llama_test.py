@@ -149,7 +149,7 @@ def test_bf16_products_on_the_cpu_round_their_float32_sums_once():
   assert "preferred_element_type=float32" in jaxpr and "preferred_element_type=bfloat16" not in jaxpr
 
 
-def _exact_bf16(a):
+def _f64(a):
   return np.asarray(a, np.float64)
 
 
@@ -163,8 +163,8 @@ def test_bf16_dense_gradients_are_bf16_products_of_the_bf16_cotangent_rounded_on
   y, pullback = jax.vjp(lambda a, b: dense(a, b, 1), x, w)
   dx, dw = jax.jit(pullback)(dy)
   assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
-  np.testing.assert_allclose(_exact_bf16(dx), _exact_bf16(dy) @ _exact_bf16(w).T, rtol=2.0 ** -7, atol=1e-2)
-  np.testing.assert_allclose(_exact_bf16(dw), _exact_bf16(x).T @ _exact_bf16(dy), rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(_f64(dx), _f64(dy) @ _f64(w).T, rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(_f64(dw), _f64(x).T @ _f64(dy), rtol=2.0 ** -7, atol=1e-2)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 48, 2048])
@@ -183,10 +183,10 @@ def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_va
   logits, pullback = jax.vjp(lm_head_logits, w, h)
   dw, dh = jax.jit(pullback)(g)
   assert logits.dtype == jnp.float32 and dw.dtype == dh.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(logits, np.float64), _exact_bf16(w) @ _exact_bf16(h).T, rtol=1e-5, atol=1e-4)
-  g16 = _exact_bf16(g.astype(jnp.bfloat16))  # the cotangent is rounded to bf16 once, then summed in float32
-  np.testing.assert_allclose(_exact_bf16(dw), g16 @ _exact_bf16(h), rtol=2.0 ** -7, atol=1e-2)
-  np.testing.assert_allclose(_exact_bf16(dh), g16.T @ _exact_bf16(w), rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(logits, np.float64), _f64(w) @ _f64(h).T, rtol=1e-5, atol=1e-4)
+  g16 = _f64(g.astype(jnp.bfloat16))  # the cotangent is rounded to bf16 once, then summed in float32
+  np.testing.assert_allclose(_f64(dw), g16 @ _f64(h), rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(_f64(dh), g16.T @ _f64(w), rtol=2.0 ** -7, atol=1e-2)
 
 
 def test_no_product_of_a_bf16_layer_gradient_contracts_its_left_operands_first_axis_on_the_cpu():
