@@ -32,7 +32,12 @@ def train_step_flops(mc: ModelConfig, rows: int, length: int, *, reference_forwa
   pass (only with several optimizer steps per batch) are forwards.
   """
   f = forward_flops(mc, rows, length)
-  return f * (3 * epochs + int(reference_forward) + int(old_pass))
+  return f * update_passes(reference_forward=reference_forward, old_pass=old_pass, epochs=epochs)
+
+
+def update_passes(*, reference_forward: bool, old_pass: bool, epochs: int = 1) -> int:
+  """Forwards an update costs: 3 per epoch (forward and backward), the reference's, the behaviour policy's."""
+  return 3 * epochs + int(reference_forward) + int(old_pass)
 
 
 def rl_update_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: float, response_len: float,

@@ -59,8 +59,8 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
 def work_per_step(cfg, mc, rows: list[dict]) -> dict[str, Any]:
   """Medians over `rows` (the timed steps' metrics) of the update's and the rollout's FLOPs."""
   B, G = cfg.data.batch_size, cfg.rollout.group_size
-  passes = (3 * cfg.ppo.epochs + int(cfg.erpo.reference == "forward")
-            + int(needs_old_pass(cfg.ppo, cfg.erpo.weights)))
+  passes = bench_flops.update_passes(reference_forward=cfg.erpo.reference == "forward",
+                                     old_pass=needs_old_pass(cfg.ppo, cfg.erpo.weights), epochs=cfg.ppo.epochs)
   lengths = [r for r in rows if "prompt/len_mean" in r and "response/len_mean" in r]
   if not lengths:
     return {}

@@ -120,6 +120,7 @@ def step_records(cfg: Config, *, iters: int, warmup: int, tmp: str, device: dict
                                          "load_avg_end", "steal_share", "compile_cache")})
       rec["timing_process_peak_rss_bytes"] = timing["peak_rss_bytes"]
       with_utilisation(rec, device, "flops_per_s", "utilisation")
+      with_utilisation(rec, device, "work_flops_per_s", "work_utilisation")
     mem = run_worker("step_memory", c, iters=1, warmup=0, tmp=tmp)
     if "error" in mem:
       rec["memory_error"] = mem["error"]

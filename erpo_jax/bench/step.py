@@ -199,16 +199,28 @@ def _progress(stage: str, v: StepVariant, seconds: float) -> None:
         f"shared_prefix={v.cfg.model.shared_prefix}: {seconds:.2f} s", file=sys.stderr, flush=True)
 
 
-def step_flops(mc, inp: StepInputs, v: StepVariant) -> float:
+def _passes(v: StepVariant) -> int:
   c = v.cfg
-  return bench_flops.train_step_flops(mc, inp.shape["N"], inp.shape["S"],
-                                      reference_forward=c.erpo.reference == "forward",
-                                      old_pass=train_step.needs_old_pass(c.ppo, c.erpo.weights), epochs=c.ppo.epochs)
+  return bench_flops.update_passes(reference_forward=c.erpo.reference == "forward",
+                                   old_pass=train_step.needs_old_pass(c.ppo, c.erpo.weights), epochs=c.ppo.epochs)
+
+
+def step_flops(mc, inp: StepInputs, v: StepVariant) -> float:
+  """The plain layout's FLOPs: every row's [S] positions, prompt and padding included."""
+  return bench_flops.forward_flops(mc, inp.shape["N"], inp.shape["S"]) * _passes(v)
+
+
+def step_work_flops(mc, inp: StepInputs, v: StepVariant) -> float:
+  """The update's own work (bench_flops.rl_update_flops): each prompt once, each response's valid tokens."""
+  sh = inp.shape
+  response_len = sh["valid_tokens"] / sh["N"] - sh["prompt_len_mean"]
+  return bench_flops.rl_update_flops(mc, prompts=sh["B"], rows=sh["N"], prompt_len=sh["prompt_len_mean"],
+                                     response_len=response_len, passes=_passes(v))
 
 
 def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str, Any]:
   t = bench_probe.median(times) if times else float("nan")
-  flops = step_flops(mc, inp, v)
+  flops, work = step_flops(mc, inp, v), step_work_flops(mc, inp, v)
   c = v.cfg
   e = c.erpo
   return {
@@ -217,8 +229,9 @@ def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str
       "weights": e.weights, "step_shared_prefix": c.model.shared_prefix, "time_s": t, "times_s": times,
       "compile_s": v.compile_s, "tokens_per_s": inp.shape["N"] * inp.shape["S"] / t,
       "valid_tokens_per_s": inp.shape["valid_tokens"] / t, "flops": flops, "flops_per_s": flops / t,
-      # The shared prefix does less work for the same update: its FLOP/s are plain-layout-equivalent.
-      "flops_layout": "plain [N, S]",
+      # The shared prefix does less work for the same update: its FLOP/s are plain-layout-equivalent;
+      # work_flops_per_s (and work_mfu) count only the update's own work, whichever layout ran.
+      "flops_layout": "plain [N, S]", "work_flops": work, "work_flops_per_s": work / t,
       **compiled_memory(v.compiled)}
 
 

@@ -18,13 +18,15 @@ from erpo_jax.bench import step as bench_step
 from erpo_jax.bench.rollout import NoStopTokens
 from erpo_jax.config_io import dump_config, load_config
 from erpo_jax.model import llama
+from erpo_jax.model.io import loading
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler
 
 ROOT = str(tiny_runs.REPO)
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 STEP_KEYS = ("name", "variant", "B", "G", "N", "S", "prompt_len_mean", "response_len", "time_s", "tokens_per_s",
-             "flops", "flops_per_s", "utilisation", "peak_flops_per_s", "peak_rss_bytes", "temp_bytes")
+             "flops", "flops_per_s", "utilisation", "peak_flops_per_s", "peak_rss_bytes", "temp_bytes",
+             "work_flops", "work_flops_per_s", "work_utilisation")
 
 # V=100, D=4, L=1, H=2, K=1, Dh=2, F=8
 SMALL = ModelConfig(architecture="llama", vocab_size=100, hidden_size=4, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -181,6 +183,14 @@ def _check_step_lines(lines: list[dict]) -> None:
     assert (r["B"], r["G"], r["N"], r["response_len"]) == (2, 4, 8, 8)
   by = {r["variant"]: r for r in steps}
   assert by["a"]["flops"] == pytest.approx(4 / 3 * by["b"]["flops"], rel=1e-4)  # reference forward = one more
+  mc = loading.model_config(load_config(TINY).model)
+  for r in steps:  # the update's own work: each prompt once, each row's valid response tokens
+    response_len = r["valid_tokens"] / r["N"] - r["prompt_len_mean"]
+    passes = round(r["flops"] / bench_flops.forward_flops(mc, r["N"], r["S"]))
+    assert r["work_flops"] == pytest.approx(bench_flops.rl_update_flops(
+        mc, prompts=r["B"], rows=r["N"], prompt_len=r["prompt_len_mean"], response_len=response_len,
+        passes=passes), rel=1e-4)  # records keep 5 significant digits
+    assert 0 < r["work_flops"] < r["flops"] and r["work_utilisation"] < r["utilisation"]
   summary = lines[-1]
   assert summary["errors"] == 0
   for k in ("step_a_over_c", "step_b_over_c", "step_d_over_c"):
