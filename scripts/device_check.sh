@@ -18,7 +18,9 @@ Runs, each phase under \`timeout\`, within DEVICE_CHECK_BUDGET_S seconds in all 
   big_step     erpo-jax bench step --variants c --shared-prefix on on configs/bench_qwen25_05b.yaml:
                the update's MFU
   big_rollout  erpo-jax bench rollout on configs/bench_qwen25_05b.yaml: decode vs the HBM floor
-  ref_rl       erpo-jax bench rl on configs/bench_reference.yaml
+  peer_trl     scripts/peers/trl_grpo_bench.py --device cuda (TRL's GRPOTrainer on the reference workload),
+               where trl imports (GPU only): trl.json
+  ref_rl       erpo-jax bench rl on configs/bench_reference.yaml (--against trl.json where peer_trl wrote it)
   ref_rollout  erpo-jax bench rollout on configs/bench_reference.yaml
   ref_step     erpo-jax bench step --variants c --shared-prefix on on configs/bench_reference.yaml
   report       scripts/device_report.py: report.md and report.json from what the phases wrote
@@ -38,8 +40,8 @@ Environment:
   PYTHON                   the interpreter (default python3)
   DEVICE_CHECK_PLATFORM    gpu (default) or cpu
   DEVICE_CHECK_BUDGET_S    seconds for all phases (default 540: under a 10-minute command limit)
-  DEVICE_CHECK_PHASES      the phases to run, in order (default: big_step big_rollout ref_rl tests
-                           ref_step ref_rollout: the figures first)
+  DEVICE_CHECK_PHASES      the phases to run, in order (default: big_step peer_trl ref_rl big_rollout
+                           tests ref_step ref_rollout: the figures first; --cpu: no peer_trl)
   DEVICE_CHECK_TESTS       the test files of the tests phase
   DEVICE_CHECK_TESTS_LIMIT_S  the tests phase's limit in seconds (default 240; on an H200 the default files
                            ran 59 of their 69 tests in 180 s with 4 workers)
@@ -76,7 +78,9 @@ done
 out=${OUT:-./device_out}
 py=${PYTHON:-python3}
 budget=${DEVICE_CHECK_BUDGET_S:-540}
-phases=${DEVICE_CHECK_PHASES:-big_step big_rollout ref_rl tests ref_step ref_rollout}
+default_phases="big_step big_rollout ref_rl tests ref_step ref_rollout"
+[[ $platform == gpu ]] && default_phases="big_step peer_trl ref_rl big_rollout tests ref_step ref_rollout"
+phases=${DEVICE_CHECK_PHASES:-$default_phases}
 export ERPO_JAX_CACHE_DIR=${ERPO_JAX_CACHE_DIR:-/tmp/erpo-jax-device-check-xla}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
 mkdir -p "$out" || die "cannot create OUT=$out"
@@ -269,8 +273,20 @@ for phase in $phases; do
     big_rollout)
       run_phase big_rollout 120 "${cli[@]}" bench rollout --config "$big" "${iters[@]}" \
         --out "$out/big_rollout.jsonl" "${small[@]}" "${overrides[@]}" ;;
+    peer_trl)
+      if "$py" -c "import trl" 2>/dev/null; then
+        peer=(--model /tmp/smollm2-hf)  # trl_setup.sh's float32 copy of the builtin
+        [[ -n $tokenizer ]] && peer=(--random-init --model "$tokenizer")
+        run_phase peer_trl 150 "$py" scripts/peers/trl_grpo_bench.py --device cuda "${peer[@]}" \
+          --out-dir /tmp/erpo-jax-device-trl --json-out "$out/trl.json"
+      else
+        say "peer_trl: skipped: trl does not import (scripts/device_prepare.sh puts its wheels into .whl)"
+      fi ;;
     ref_rl)
-      run_phase ref_rl 150 "${cli[@]}" bench rl --config "$ref" "${iters[@]}" --out "$out/ref_rl.jsonl" "${overrides[@]}" ;;
+      against=()
+      [[ -s $out/trl.json ]] && against=(--against "$out/trl.json")
+      run_phase ref_rl 150 "${cli[@]}" bench rl --config "$ref" "${iters[@]}" --out "$out/ref_rl.jsonl" \
+        "${against[@]}" "${overrides[@]}" ;;
     ref_rollout)
       run_phase ref_rollout 100 "${cli[@]}" bench rollout --config "$ref" "${iters[@]}" \
         --out "$out/ref_rollout.jsonl" "${overrides[@]}" ;;

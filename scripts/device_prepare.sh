@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on a machine with PyPI, what scripts/device_check.sh needs on a GPU machine without it:
 #   .whl/           wheels of erpo-jax's dependencies that the GPU machine's Python lacks (default: those the
-#                   lent H200 image lacked: grain, tensorboardX, gguf, math-verify and their own needs)
+#                   lent H200 image lacked: grain, tensorboardX, gguf, math-verify and their own needs, and
+#                   TRL with datasets for the peer_trl phase)
 #   .gpu/tokenizer  the builtin SmolLM2's tokenizer (tokenizer.json), in place of its 98 MB GGUF
 # Both folders go into .git/info/exclude. Then, on the GPU machine (the folders carried along):
 #   DEVICE_CHECK_TOKENIZER=.gpu/tokenizer bash scripts/device_check.sh
@@ -9,7 +10,7 @@ set -euo pipefail
 
 prog=$(basename "$0")
 python_version=${DEVICE_PYTHON_VERSION:-3.12}
-packages=${DEVICE_WHEELS:-"grain==0.2.18 array-record portpicker tensorboardX==2.6.5 gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"}
+packages=${DEVICE_WHEELS:-"grain==0.2.18 array-record portpicker tensorboardX==2.6.5 gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"}
 py=${PYTHON:-python3}
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then

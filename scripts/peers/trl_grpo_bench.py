@@ -17,6 +17,10 @@ Fixed workload (keep identical when comparing other frameworks):
 Run (the lock keeps other benchmarks from running concurrently):
   flock /tmp/peer-bench.lock /tmp/peer-trl/venv/bin/python trl_grpo_bench.py
 
+On an NVIDIA GPU: --device cuda (float32 weights, TF32 matmuls as JAX's default precision runs them). Where the
+SmolLM2 weights are not at hand, --random-init --model TOKENIZER_FOLDER builds SmolLM2-135M's shape with random
+weights (the workload of erpo-jax's configs/bench_reference_random.yaml: every completion runs its 64 tokens).
+
 Prints per-step lines, then one final line starting with `SUMMARY_JSON ` followed by JSON.
 """
 import argparse
@@ -78,6 +82,19 @@ def sum_reward(completions, answer, **kwargs):
         text = comp[-1]["content"] if isinstance(comp, list) else comp
         out.append(1.0 if extract_answer(text) == int(ans) else 0.0)
         LAST_SCORED.append((text, int(ans), out[-1]))
+    return out
+
+
+def save_random_smollm2(tokenizer_dir: str, out: str, seed: int) -> str:
+    """A float32 HF folder of SmolLM2-135M's architecture with random weights and the given tokenizer."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, intermediate_size=1536, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, dtype="float32")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return out
 
 
@@ -156,6 +173,8 @@ class StepRecorder(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         self.t_train_begin = time.perf_counter()
+        if self.warmup == 0:  # the timed steps start here
+            self.cpu_at_timed_start = cpu_snapshot()
 
     def on_step_begin(self, args, state, control, **kw):
         self.begin[state.global_step + 1] = time.perf_counter()
@@ -249,7 +268,15 @@ def main():
                     help="TRL's default is on; the baseline keeps it off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None, help="also write the summary JSON to this file")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--random-init", action="store_true",
+                    help="--model is a tokenizer folder; the policy is SmolLM2-135M's shape with random weights")
     args = ap.parse_args()
+    if args.device == "cuda":
+        assert torch.cuda.is_available(), "--device cuda: torch sees no GPU"
+        torch.set_float32_matmul_precision("high")  # TF32, as JAX's default precision on the GPU
+    if args.random_init:
+        args.model = save_random_smollm2(args.model, os.path.join(args.out_dir, "random-model"), args.seed)
 
     prompts_per_step, num_gen, max_len = 4, 8, 64
     completions_per_step = prompts_per_step * num_gen
@@ -282,7 +309,7 @@ def main():
         # precision / device
         bf16=False,
         fp16=False,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         gradient_checkpointing=args.gradient_checkpointing,
         model_init_kwargs={"dtype": "float32"},
         use_vllm=False,
@@ -373,8 +400,9 @@ def main():
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     summary = {
         "framework": "trl.GRPOTrainer",
-        "device": "cpu",
+        "device": "gpu" if args.device == "cuda" else "cpu",
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "cpu_model": cpu_model(),
+                 "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                  "python": platform.python_version(),
                  # the vector ISA torch's CPU kernels dispatch to (ATEN_CPU_CAPABILITY lowers it), and the
                  # variables that hold its MKL and oneDNN products to an ISA, where set
@@ -387,7 +415,9 @@ def main():
             "accelerate": __import__("accelerate").__version__,
         },
         "workload": {
-            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)",
+            "model": ("SmolLM2-135M-Instruct's shape, random weights" if args.random_init
+                      else "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32)"),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "prompts_per_step": prompts_per_step, "num_generations": num_gen,
             "completions_per_step": completions_per_step, "max_completion_length": max_len,
             "temperature": 1.0, "num_iterations": 1, "per_device_train_batch_size": args.per_device_batch,
