@@ -221,10 +221,6 @@ tokenizer=${DEVICE_CHECK_TOKENIZER:-}
 if [[ -n $tokenizer && ! -f $tokenizer/tokenizer.json ]]; then
   die "DEVICE_CHECK_TOKENIZER=$tokenizer has no tokenizer.json: expected a tokenizer folder"
 fi
-tokenizer=${DEVICE_CHECK_TOKENIZER:-}
-if [[ -n $tokenizer && ! -f $tokenizer/tokenizer.json ]]; then
-  die "DEVICE_CHECK_TOKENIZER=$tokenizer has no tokenizer.json: expected a tokenizer folder"
-fi
 setup
 
 # ----------------------------------------------------------------------------- phases

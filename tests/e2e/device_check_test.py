@@ -89,3 +89,11 @@ def test_cpu_mode_runs_every_phase_and_leaves_its_files(tmp_path):
   assert digest["phases"]["ref_rl"]["rl"]["step_s"] > 0 and digest["phases"]["ref_rl"]["rl"]["to_first_step_s"] > 0
   assert digest["phases"]["big_step"]["mfu"] == {"step/c/shared_prefix_on": None}  # a CPU has no data-sheet peak
   assert all(f"## {phase}" in (out / "report.md").read_text() for phase in PHASES[1:])
+
+
+def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_exit_2(tmp_path):
+  env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE_CHECK_TOKENIZER=str(tmp_path))
+  out = subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=tiny_runs.REPO, env=env, capture_output=True, text=True)
+  assert out.returncode == 2
+  assert out.stderr == (f"device_check.sh: error: DEVICE_CHECK_TOKENIZER={tmp_path} has no tokenizer.json: "
+                        "expected a tokenizer folder\n")
