@@ -23,20 +23,10 @@ def forward_flops(mc: ModelConfig, rows: int, length: int) -> float:
   return rows * length * mc.flops_per_token(length)
 
 
-def train_step_flops(mc: ModelConfig, rows: int, length: int, *, reference_forward: bool, old_pass: bool,
-                     epochs: int = 1) -> float:
-  """F * (3 * epochs + [reference forward] + [behaviour-policy forward]), F = forward_flops(rows, length).
-
-  The policy forward with its backward costs 3 forwards (the backward is two
-  matmuls per forward matmul); the frozen reference and the behaviour-policy
-  pass (only with several optimizer steps per batch) are forwards.
-  """
-  f = forward_flops(mc, rows, length)
-  return f * update_passes(reference_forward=reference_forward, old_pass=old_pass, epochs=epochs)
-
-
 def update_passes(*, reference_forward: bool, old_pass: bool, epochs: int = 1) -> int:
-  """Forwards an update costs: 3 per epoch (forward and backward), the reference's, the behaviour policy's."""
+  """Forwards an update costs: 3 per epoch for the policy (its backward is two matmuls per forward matmul),
+  1 for the frozen reference's forward and 1 for the behaviour policy's (only with several optimizer steps
+  per batch). An update of the plain layout costs forward_flops(rows, length) times this."""
   return 3 * epochs + int(reference_forward) + int(old_pass)
 
 
@@ -44,7 +34,7 @@ def rl_update_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: flo
                     passes: int) -> float:
   """The work an RL update cannot avoid: each prompt once (B x p tokens, the shared prefix) and each
   response's own tokens (N x r, packed), attention over the mean context p + r, times `passes` forwards
-  (train_step_flops: 3 per epoch for forward and backward, 1 for each reference or behaviour forward)."""
+  (update_passes: 3 per epoch for forward and backward, 1 for each reference or behaviour forward)."""
   tokens = prompts * prompt_len + rows * response_len
   return tokens * mc.flops_per_token(prompt_len + response_len) * passes
 

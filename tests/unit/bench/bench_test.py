@@ -40,9 +40,9 @@ def test_flops_match_a_hand_count():
   # Forward of 3 rows x 5 positions: 15 * (1088 + 80) = 17520.
   assert bench_flops.forward_flops(SMALL, 3, 5) == 17520
   # Step = 3 forwards for the policy (+1 reference, +1 behaviour pass per extra optimizer step set).
-  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=True, old_pass=False) == 4 * 17520
-  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=False, old_pass=False) == 3 * 17520
-  assert bench_flops.train_step_flops(SMALL, 3, 5, reference_forward=True, old_pass=True, epochs=2) == 8 * 17520
+  assert bench_flops.update_passes(reference_forward=True, old_pass=False) == 4
+  assert bench_flops.update_passes(reference_forward=False, old_pass=False) == 3
+  assert bench_flops.update_passes(reference_forward=True, old_pass=True, epochs=2) == 8
   # Decode: 3 rows over 7 cache slots, 3 * (1088 + 112) = 3600.
   assert bench_flops.decode_step_flops(SMALL, 3, 7) == 3600
   # Prefill: 2 prompts x 4 positions of body (1088 + 64 - 800 = 352) plus one lm head row each:
