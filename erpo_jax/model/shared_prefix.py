@@ -28,29 +28,29 @@ def group_attention(q_NxRxHxDh: jax.Array, kp_BxPxKxDh: jax.Array, vp_BxPxKxDh: 
                     group_size: int) -> jax.Array:
   """Softmax attention of response queries over [their group's prompt keys, causal response keys].
 
-  Row n = b*G + g sees prompt keys j < prompt_len[b] of prompt b (stored once,
-  never copied G times) and its own response keys r' <= r. One softmax over
-  both key sets, scores and softmax in float32, as `llama.attention`.
+  Row n = b*G + g sees prompt keys j < prompt_len[b] (stored once) and its own response keys r' <= r;
+  scores and softmax in float32. Every product batches over (b, g, k) in XLA's own axis order, so the
+  queries and the output are transposed once; one log-sum-exp covers both key sets (no concatenation).
   """
   N, R, H, Dh = q_NxRxHxDh.shape
   B, P, K, _ = kp_BxPxKxDh.shape
   G = group_size
-  q = q_NxRxHxDh.reshape(B, G, R, K, H // K, Dh)
-  kr = kr_NxRxKxDh.reshape(B, G, R, K, Dh)
-  vr = vr_NxRxKxDh.reshape(B, G, R, K, Dh)
   f32 = jnp.float32
-  scores_p = jnp.einsum("bgrkhd,bpkd->bgkhrp", q, kp_BxPxKxDh, preferred_element_type=f32)
-  scores_r = jnp.einsum("bgrkhd,bgtkd->bgkhrt", q, kr, preferred_element_type=f32)
-  scores = jnp.concatenate([scores_p, scores_r], axis=-1) / math.sqrt(Dh)  # [B, G, K, H/K, R, P+R]
+  q = q_NxRxHxDh.reshape(B, G, R, K, H // K, Dh).transpose(0, 1, 3, 4, 2, 5)  # [B, G, K, H/K, R, Dh]
+  kp, vp = (jnp.broadcast_to(x.transpose(0, 2, 1, 3)[:, None], (B, G, K, P, Dh)) for x in (kp_BxPxKxDh, vp_BxPxKxDh))
+  kr, vr = (x.reshape(B, G, R, K, Dh).transpose(0, 1, 3, 2, 4) for x in (kr_NxRxKxDh, vr_NxRxKxDh))  # [B,G,K,R,Dh]
+  scale = 1.0 / math.sqrt(Dh)
+  scores_p = jnp.einsum("bgkhrd,bgkpd->bgkhrp", q, kp, preferred_element_type=f32) * scale
+  scores_r = jnp.einsum("bgkhrd,bgktd->bgkhrt", q, kr, preferred_element_type=f32) * scale
   mask_p = (jnp.arange(P)[None, :] < prompt_len_B[:, None])[:, None, None, None, None, :]  # [B, 1, 1, 1, 1, P]
   mask_r = jnp.tril(jnp.ones((R, R), bool))
-  mask = jnp.concatenate([jnp.broadcast_to(mask_p, (B, 1, 1, 1, R, P)),
-                          jnp.broadcast_to(mask_r, (B, 1, 1, 1, R, R))], axis=-1)
-  scores = jnp.where(mask, scores, jnp.finfo(f32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(vr.dtype)
-  o = (jnp.einsum("bgkhrp,bpkd->bgrkhd", probs[..., :P], vp_BxPxKxDh, preferred_element_type=f32)
-       + jnp.einsum("bgkhrt,bgtkd->bgrkhd", probs[..., P:], vr, preferred_element_type=f32))
-  return o.astype(vr.dtype).reshape(N, R, H, Dh)
+  scores_p, scores_r = (jnp.where(m, x, jnp.finfo(f32).min) for m, x in ((mask_p, scores_p), (mask_r, scores_r)))
+  top = jax.lax.stop_gradient(jnp.maximum(scores_p.max(-1, keepdims=True), scores_r.max(-1, keepdims=True)))
+  lse = top + jnp.log(sum(jnp.exp(x - top).sum(-1, keepdims=True) for x in (scores_p, scores_r)))
+  probs_p, probs_r = (jnp.exp(x - lse).astype(vr.dtype) for x in (scores_p, scores_r))
+  o = (jnp.einsum("bgkhrp,bgkpd->bgkhrd", probs_p, vp, preferred_element_type=f32)
+       + jnp.einsum("bgkhrt,bgktd->bgkhrd", probs_r, vr, preferred_element_type=f32))  # [B, G, K, H/K, R, Dh]
+  return o.astype(vr.dtype).transpose(0, 1, 4, 2, 3, 5).reshape(N, R, H, Dh)
 
 
 def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int, *,
