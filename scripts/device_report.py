@@ -16,7 +16,7 @@ import pathlib
 import sys
 import xml.etree.ElementTree as ET
 
-BENCH_PHASES = ("big_step", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
+BENCH_PHASES = ("big_step", "big_profile", "big_noremat", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
@@ -72,6 +72,27 @@ def step_lines(records: list[dict]) -> list[str]:
         f"{_num(r.get('work_flops_per_s'), ' TFLOP/s', 1e12)}, MFU {_pct(r.get('work_mfu'))}; "
         f"compiled in {_num(r.get('compile_s'), ' s')}; peak device memory "
         f"{_num(r.get('peak_device_bytes'), ' GB', 1e9)}")
+  return lines
+
+
+def profile_lines(records: list[dict]) -> list[str]:
+  """A traced update (`bench step --profile`): where its time went, and its ten slowest ops."""
+  lines = []
+  for r in records:
+    if not r.get("name", "").startswith("profile/"):
+      continue
+    if "error" in r:
+      lines.append(f"{r['name']}: error: {r['error']}")
+      continue
+    lines.append(
+        f"{r['name']}: traced update {_num(r.get('wall_s'), ' s')}; ops {_num(r.get('ops_s'), ' s')} in all "
+        f"({r.get('ops')} ops; some op ran {_num(r.get('busy_s'), ' s')}): matmul ops {_num(r.get('matmul_s'), ' s')} "
+        f"at {_num(r.get('matmul_flops_per_s'), ' TFLOP/s', 1e12)} ({_pct(r.get('matmul_utilisation'))} of the "
+        f"measured matmul peak), other ops {_num(r.get('other_s'), ' s')}; every op: {r.get('dir')}/ops.txt")
+    for t in r.get("top") or []:
+      rate = t.get("flops_per_s")
+      lines.append(f"slow op: {_num(t.get('seconds'), ' ms', 1e-3)} x{t.get('count')} {t.get('op')} {t.get('shape')}"
+                   f"{f' at {rate / 1e12:.3g} TFLOP/s' if rate else ''} ({str(t.get('source'))[-90:]})")
   return lines
 
 
@@ -143,7 +164,7 @@ def report(out: pathlib.Path) -> tuple[str, dict]:
     records = read_records(out / f"{phase}.jsonl")
     if not records:
       continue
-    lines = [x for x in [device_line(records)] if x] + step_lines(records) + rollout_lines(records) + rl_lines(records)
+    lines = [x for x in [device_line(records)] if x] + step_lines(records) + profile_lines(records) + rollout_lines(records) + rl_lines(records)
     md += [f"## {phase}", "", *[f"- {x}" for x in lines], ""]
     digest["phases"][phase] = {
         "lines": lines,

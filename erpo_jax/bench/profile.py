@@ -157,9 +157,13 @@ def trace_op_intervals(trace_dir: str | pathlib.Path, op_names: set[str]) -> dic
   with gzip.open(files[-1], "rt", encoding="utf-8") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
+  # On an accelerator the host's threads carry launch events that may share an op's name: count only the
+  # device's own events (processes named /device:GPU:0, /device:TPU:0, ...) where the trace has any.
+  devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and str((e.get("args") or {}).get("name", "")).startswith("/device:")}
   out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
   for e in events:
-    if e.get("ph") != "X":
+    if e.get("ph") != "X" or (devices and e.get("pid") not in devices):
       continue
     name = e.get("name", "")
     if name not in op_names:

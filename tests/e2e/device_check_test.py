@@ -12,7 +12,7 @@ import pytest
 import tiny_runs
 
 SCRIPT = tiny_runs.REPO / "scripts" / "device_check.sh"
-PHASES = ("tests", "big_step", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
+PHASES = ("tests", "big_step", "big_profile", "big_noremat", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
 
 
 def _report_module():
@@ -63,6 +63,23 @@ def test_report_gives_the_updates_mfu_and_decode_against_the_bandwidth_floor(tmp
   assert digest["phases"]["big_step"]["mfu"] == {"step/c/shared_prefix_on": 0.5}
   assert digest["phases"]["big_step"]["work_mfu"] == {"step/c/shared_prefix_on": 0.4}
   assert digest["phases"]["big_rollout"]["decode"]["decode_spec_bandwidth_fraction"] == 0.1
+
+
+def test_report_says_where_a_traced_update_spent_its_time(tmp_path):
+  prof = {"name": "profile/c/shared_prefix_on", "wall_s": 1.6, "ops_s": 1.5, "ops": 812, "busy_s": 1.45,
+          "matmul_s": 0.9, "matmul_flops_per_s": 300e12, "matmul_utilisation": 0.45, "other_s": 0.6,
+          "dir": "/o/big_profile/c_shared_prefix_on",
+          "top": [{"op": "custom-call.7", "seconds": 0.125, "count": 24, "flops_per_s": 410e12,
+                   "shape": "bf16[4096,4864]", "source": "jit(step)/transpose(jvp(mlp))/dot_general"},
+                  {"op": "fusion.3", "seconds": 0.05, "count": 1, "flops_per_s": None, "shape": "f32[256,320]",
+                   "source": "jit(step)/reduce_max"}]}
+  (tmp_path / "big_profile.jsonl").write_text(json.dumps(prof) + "\n")
+  md, _ = _report_module().report(tmp_path)
+  assert ("profile/c/shared_prefix_on: traced update 1.6 s; ops 1.5 s in all (812 ops; some op ran 1.45 s): "
+          "matmul ops 0.9 s at 300 TFLOP/s (45.0% of the measured matmul peak), other ops 0.6 s; every op: "
+          "/o/big_profile/c_shared_prefix_on/ops.txt") in md
+  assert "slow op: 125 ms x24 custom-call.7 bf16[4096,4864] at 410 TFLOP/s (jit(step)/transpose(jvp(mlp))/dot_general)" in md
+  assert "slow op: 50 ms x1 fusion.3 f32[256,320] (jit(step)/reduce_max)" in md
 
 
 @pytest.mark.slow

@@ -144,3 +144,31 @@ def test_side_by_side_counts_the_time_another_leaf_op_ran_beside_each_op():
   share = {r["op"]: r["beside_share"] for r in rows}
   assert share == pytest.approx({"fusion.1": 5.0 / 14.0, "fusion.2": 0.7, "fusion.3": 1.0, "while.4": None})
   assert "beside" in profile.format_table(rows).splitlines()[0]
+
+
+def _write_trace(folder, events):
+  import gzip
+  path = folder / "plugins" / "profile" / "run"
+  path.mkdir(parents=True)
+  with gzip.open(path / "vm.trace.json.gz", "wt", encoding="utf-8") as f:
+    json.dump({"traceEvents": events}, f)
+
+
+def test_on_a_gpu_trace_only_the_device_stream_events_time_an_op(tmp_path):
+  # The host thread launches fusion.1 (a 3 us event of the same name); the kernel runs 40 us on the GPU's stream.
+  events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 3.0, "name": "fusion.1"},
+            {"ph": "X", "pid": 2, "tid": 9, "ts": 20.0, "dur": 40.0, "name": "loop_fusion_kernel",
+             "args": {"hlo_op": "fusion.1"}},
+            {"ph": "X", "pid": 2, "tid": 9, "ts": 70.0, "dur": 5.0, "name": "dot.2"}]
+  _write_trace(tmp_path, events)
+  got = profile.trace_op_intervals(tmp_path, {"fusion.1", "dot.2"})
+  assert got == {"fusion.1": [pytest.approx((20e-6, 40e-6))], "dot.2": [pytest.approx((70e-6, 5e-6))]}
+
+
+def test_on_a_cpu_trace_the_host_threads_time_the_ops(tmp_path):
+  events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 3.0, "name": "fusion.1"}]
+  _write_trace(tmp_path, events)
+  assert profile.trace_op_intervals(tmp_path, {"fusion.1"}) == {"fusion.1": [pytest.approx((10e-6, 3e-6))]}
