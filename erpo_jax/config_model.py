@@ -54,7 +54,9 @@ class ModelSection:
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
   remat: bool = True  # recompute in the backward pass what remat_policy does not keep
   remat_policy: Literal["dots", "full"] = "dots"  # dots: keep matmul outputs; full: only layer inputs
-  logits_chunk: int = 128  # tokens per chunk of the lm-head in log-probs (never the full [N,S,V])
+  # Tokens per chunk of the lm-head in log-probs (never the full [N,S,V]); "auto": 128 on a CPU, on a GPU or
+  # TPU as many as fit 1 GiB of float32 logits (model/lm_head.py: chunk_tokens).
+  logits_chunk: int | Literal["auto"] = "auto"
   # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
   # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
   shared_prefix: bool = True
@@ -63,4 +65,5 @@ class ModelSection:
 
   def __post_init__(self):
     check_field(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)
-    check_field(self.logits_chunk >= 1, "model.logits_chunk", "a positive integer", self.logits_chunk)
+    check_field(self.logits_chunk == "auto" or self.logits_chunk >= 1, "model.logits_chunk",
+                "a positive integer or 'auto'", self.logits_chunk)

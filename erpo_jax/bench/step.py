@@ -30,6 +30,7 @@ from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.bench import profile as bench_profile
+from erpo_jax.model.lm_head import chunk_tokens
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
@@ -225,8 +226,9 @@ def _record(mc, inp: StepInputs, v: StepVariant, times: list[float]) -> dict[str
   e = c.erpo
   return {
       **inp.shape, "model": c.model.path, "dtype": c.model.dtype, "param_dtype": c.model.param_dtype,
-      "remat": c.model.remat, "logits_chunk": c.model.logits_chunk, "kl_on": e.kl_on, "reference": e.reference,
-      "weights": e.weights, "step_shared_prefix": c.model.shared_prefix, "time_s": t, "times_s": times,
+      "remat": c.model.remat, "logits_chunk": chunk_tokens(c.model.logits_chunk, mc.vocab_size), "kl_on": e.kl_on,
+      "reference": e.reference, "weights": e.weights, "step_shared_prefix": c.model.shared_prefix, "time_s": t,
+      "times_s": times,
       "compile_s": v.compile_s, "tokens_per_s": inp.shape["N"] * inp.shape["S"] / t,
       "valid_tokens_per_s": inp.shape["valid_tokens"] / t, "flops": flops, "flops_per_s": flops / t,
       # The shared prefix does less work for the same update: its FLOP/s are plain-layout-equivalent;

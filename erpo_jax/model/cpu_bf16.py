@@ -62,29 +62,18 @@ def _matmul_bwd(res, dy_MxN):
 matmul_f32_sums.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array) -> jax.Array:
-  """Float32 logits [V, C] = W [V, D] @ h^T; in bf16 on the CPU through `bf16_lm_head_logits`."""
-  if applies(w_VxD, h_CxD):
-    return bf16_lm_head_logits(w_VxD, h_CxD)
+def lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array, *, cpu_form: bool | None = None) -> jax.Array:
+  """Float32 logits [V, C] = W [V, D] @ h^T, h^T laid out by `rows_transposed` in the CPU's bf16 form
+  (cpu_form: None = where `applies`)."""
+  if applies(w_VxD, h_CxD) if cpu_form is None else cpu_form:
+    return jnp.matmul(w_VxD, rows_transposed(h_CxD), preferred_element_type=jnp.float32)
   return jnp.matmul(w_VxD, h_CxD.T, preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def bf16_lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array) -> jax.Array:
-  """W [V, D] @ h^T [D, C] -> float32 [V, C]; the backward's transposed cotangent by `rows_transposed`."""
-  return jnp.matmul(w_VxD, rows_transposed(h_CxD), preferred_element_type=jnp.float32)
-
-
-def _lm_head_fwd(w_VxD, h_CxD):
-  return bf16_lm_head_logits(w_VxD, h_CxD), (w_VxD, h_CxD)
-
-
-def _lm_head_bwd(res, g_VxC):
-  w_VxD, h_CxD = res
-  g_VxC = g_VxC.astype(jnp.bfloat16)
+def lm_head_grads(w_VxD: jax.Array, h_CxD: jax.Array, g_VxC: jax.Array, *, cpu_form: bool | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """The gradients of `lm_head_logits` for the logits' cotangent g [V, C] (in the compute dtype): float32
+  sums dW [V, D] = g @ h and dh [C, D] = g^T @ W, g^T laid out by `rows_transposed` in the CPU's bf16 form."""
   dw_VxD = jnp.matmul(g_VxC, h_CxD, preferred_element_type=jnp.float32)
-  dh_CxD = jnp.matmul(rows_transposed(g_VxC), w_VxD, preferred_element_type=jnp.float32)
-  return dw_VxD.astype(w_VxD.dtype), dh_CxD.astype(h_CxD.dtype)
-
-
-bf16_lm_head_logits.defvjp(_lm_head_fwd, _lm_head_bwd)
+  g_CxV = rows_transposed(g_VxC) if (applies(w_VxD, h_CxD, g_VxC) if cpu_form is None else cpu_form) else g_VxC.T
+  return dw_VxD, jnp.matmul(g_CxV, w_VxD, preferred_element_type=jnp.float32)

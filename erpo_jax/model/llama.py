@@ -1,8 +1,8 @@
-"""Flax NNX Llama-family decoder with layer-stacked weights, chunked log-probs and a KV cache.
+"""Flax NNX Llama-family decoder with layer-stacked weights and a KV cache (log-probs: `lm_head`).
 
 Dimension letters: N rows (sequences), S sequence length, T cache length,
 D hidden, H query heads, K key/value heads, Dh head dim, F MLP width, V vocab,
-L layers, C tokens per lm-head chunk.
+L layers.
 
 Weights of all layers are stacked on a leading L axis and applied with one
 `lax.scan`, so a 30-layer model compiles as fast as a 1-layer one; only the
@@ -93,11 +93,12 @@ class Transformer(nnx.Module):
       names += ["bq", "bk", "bv"]
     return {n: getattr(self, n)[...] for n in names}
 
-  def unembed_rows(self) -> jax.Array:
-    """The unembedding as [V, D] rows in the compute dtype: with tied embeddings the embedding itself, else
-    the lm-head transposed (make it once outside a loop)."""
+  def unembed_rows(self, *, param_dtype: bool = False) -> jax.Array:
+    """The unembedding as [V, D] rows in the compute dtype (param_dtype: as stored, for `lm_head`, which
+    casts it and sums its gradient in float32): with tied embeddings the embedding itself, else the lm-head
+    transposed (make it once outside a loop)."""
     w = self.embed[...] if self.cfg.tie_word_embeddings else self.lm_head[...].T
-    return w.astype(self.dtype)
+    return w if param_dtype else w.astype(self.dtype)
 
   def embed_tokens(self, tokens_NxS: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens_NxS, axis=0).astype(self.dtype)
@@ -283,42 +284,6 @@ def attention(q_NxSxHxDh, k_NxTxKxDh, v_NxTxKxDh, mask_NxSxT):
   probs = jax.nn.softmax(scores, axis=-1).astype(v_NxTxKxDh.dtype)
   o = jnp.einsum("nkgst,ntkd->nskgd", probs, v_NxTxKxDh)
   return o.reshape(N, S, H, Dh)
-
-
-def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *, chunk: int,
-                    temperature: float | jax.Array = 1.0, with_entropy: bool = False):
-  """log softmax(h W^T / T)[target] for M tokens, C at a time; never holds [M, V].
-
-  w_VxD is the unembedding as rows (`Transformer.unembed_rows`). A chunk's
-  logits are computed column-major, W [V, D] @ h^T [D, C]: XLA's CPU matmul
-  then streams W in place forward and backward and the weight gradient comes
-  out as [V, D], with no transpose of the [V, D]-sized operands.
-  `temperature` is one number or one per token ([M]). Each chunk is
-  rematerialised in the backward pass, so the gradient needs only [V, C] of
-  scratch memory too. Returns (logp_M, entropy_M or None), float32.
-  """
-  M, D = h_MxD.shape
-  C = max(1, min(chunk, M))  # M = 0 (rows of one token): no chunks, empty results
-  n = -(-M // C)
-  pad = n * C - M
-  h = jnp.pad(h_MxD, ((0, pad), (0, 0))).reshape(n, C, D)
-  t = jnp.pad(targets_M, (0, pad)).reshape(n, C)
-  temp = jnp.pad(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (M,)), (0, pad),
-                 constant_values=1.0).reshape(n, C)
-
-  @jax.checkpoint
-  def one(h_CxD, t_C, temp_C):
-    logits_VxC = cpu_bf16.lm_head_logits(w_VxD, h_CxD) / temp_C[None]
-    lse_C = jax.nn.logsumexp(logits_VxC, axis=0)
-    logp_C = jnp.take_along_axis(logits_VxC, t_C[None], axis=0)[0] - lse_C
-    if not with_entropy:
-      return logp_C, jnp.zeros_like(logp_C)
-    probs_VxC = jax.nn.softmax(logits_VxC, axis=0)
-    return logp_C, lse_C - jnp.sum(probs_VxC * logits_VxC, axis=0)
-
-  logp, ent = jax.lax.map(lambda x: one(*x), (h, t, temp))
-  logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]
-  return logp, (ent if with_entropy else None)
 
 
 def init_random(cfg: ModelConfig, *, seed: int = 0, dtype="float32", param_dtype="float32",

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax.model import shared_prefix
-from erpo_jax.model.llama import Transformer, token_log_probs
+from erpo_jax.model.llama import Transformer
+from erpo_jax.model.lm_head import token_log_probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 
 
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
-              response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int = 1024,
+              response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int | str = 1024,
               layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None):
   """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 
@@ -115,7 +116,7 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
 
 
 def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
-            layout: Layout, *, temperature: float, chunk: int, with_entropy: bool):
+            layout: Layout, *, temperature: float, chunk: int | str, with_entropy: bool):
   """The packed layout on `layout.streams` streams: rows [N, ...] -> [streams, N/streams, ...], one packed
   stream of `layout.capacity` slots each (vmapped; on a batch-sharded mesh each shard packs its own rows)."""
   one = lambda tokens, prompt_len, response_len: shared_prefix.packed_log_probs(
@@ -131,7 +132,7 @@ def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, 
 
 
 def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | None, *, temperature: float,
-           chunk: int, with_entropy: bool, segments_NxS: jax.Array | None = None):
+           chunk: int | str, with_entropy: bool, segments_NxS: jax.Array | None = None):
   N, S = tokens_NxS.shape
   positions_NxS = None
   if segments_NxS is not None:  # each segment's positions count from its first column
@@ -144,7 +145,7 @@ def _plain(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array | 
   if temperature != 1.0:
     t_NxS1 = jnp.arange(1, S)[None, :]
     temperature_M = jnp.where(t_NxS1 < jnp.asarray(prompt_len_N)[:, None], 1.0, temperature).reshape(-1)
-  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_rows(), tokens_NxS[:, 1:].reshape(-1),
+  logp, ent = token_log_probs(h.reshape(-1, D), model.unembed_rows(param_dtype=True), tokens_NxS[:, 1:].reshape(-1),
                               chunk=chunk, temperature=temperature_M, with_entropy=with_entropy)
   zero = jnp.zeros((N, 1), jnp.float32)
   logp = jnp.concatenate([zero, logp.reshape(N, S - 1)], axis=1)

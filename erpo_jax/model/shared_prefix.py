@@ -14,43 +14,14 @@ the plain layout do. Prompt work drops from N*P to B*P tokens.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.model.llama import Transformer, attention, dense, rope_tables, token_log_probs
-
-
-def group_attention(q_NxRxHxDh: jax.Array, kp_BxPxKxDh: jax.Array, vp_BxPxKxDh: jax.Array,
-                    kr_NxRxKxDh: jax.Array, vr_NxRxKxDh: jax.Array, prompt_len_B: jax.Array,
-                    group_size: int) -> jax.Array:
-  """Softmax attention of response queries over [their group's prompt keys, causal response keys].
-
-  Row n = b*G + g sees prompt keys j < prompt_len[b] (stored once) and its own response keys r' <= r;
-  scores and softmax in float32. Every product batches over (b, g, k) in XLA's own axis order, so the
-  queries and the output are transposed once; one log-sum-exp covers both key sets (no concatenation).
-  """
-  N, R, H, Dh = q_NxRxHxDh.shape
-  B, P, K, _ = kp_BxPxKxDh.shape
-  G = group_size
-  f32 = jnp.float32
-  q = q_NxRxHxDh.reshape(B, G, R, K, H // K, Dh).transpose(0, 1, 3, 4, 2, 5)  # [B, G, K, H/K, R, Dh]
-  kp, vp = (jnp.broadcast_to(x.transpose(0, 2, 1, 3)[:, None], (B, G, K, P, Dh)) for x in (kp_BxPxKxDh, vp_BxPxKxDh))
-  kr, vr = (x.reshape(B, G, R, K, Dh).transpose(0, 1, 3, 2, 4) for x in (kr_NxRxKxDh, vr_NxRxKxDh))  # [B,G,K,R,Dh]
-  scale = 1.0 / math.sqrt(Dh)
-  scores_p = jnp.einsum("bgkhrd,bgkpd->bgkhrp", q, kp, preferred_element_type=f32) * scale
-  scores_r = jnp.einsum("bgkhrd,bgktd->bgkhrt", q, kr, preferred_element_type=f32) * scale
-  mask_p = (jnp.arange(P)[None, :] < prompt_len_B[:, None])[:, None, None, None, None, :]  # [B, 1, 1, 1, 1, P]
-  mask_r = jnp.tril(jnp.ones((R, R), bool))
-  scores_p, scores_r = (jnp.where(m, x, jnp.finfo(f32).min) for m, x in ((mask_p, scores_p), (mask_r, scores_r)))
-  top = jax.lax.stop_gradient(jnp.maximum(scores_p.max(-1, keepdims=True), scores_r.max(-1, keepdims=True)))
-  lse = top + jnp.log(sum(jnp.exp(x - top).sum(-1, keepdims=True) for x in (scores_p, scores_r)))
-  probs_p, probs_r = (jnp.exp(x - lse).astype(vr.dtype) for x in (scores_p, scores_r))
-  o = (jnp.einsum("bgkhrp,bgkpd->bgkhrd", probs_p, vp, preferred_element_type=f32)
-       + jnp.einsum("bgkhrt,bgktd->bgkhrd", probs_r, vr, preferred_element_type=f32))  # [B, G, K, H/K, R, Dh]
-  return o.astype(vr.dtype).transpose(0, 1, 4, 2, 3, 5).reshape(N, R, H, Dh)
+from erpo_jax.model.group_attention import group_attention
+from erpo_jax.model.llama import Transformer, attention, dense, rope_tables
+from erpo_jax.model.lm_head import token_log_probs
 
 
 def shared_prefix_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int, *,
@@ -121,7 +92,7 @@ def group_layout(model: Transformer, tokens_NxS, prompt_len_N, G: int, prompt_bu
 
 
 def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
-                            *, prompt_bucket: int, response_bucket: int, chunk: int = 1024,
+                            *, prompt_bucket: int, response_bucket: int, chunk: int | str = 1024,
                             temperature: float = 1.0, with_entropy: bool = False):
   """`logprobs.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
 
@@ -146,7 +117,7 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   h_in_NxRxD = jnp.concatenate([h_last_NxD[:, None], hr[:, :-1]], axis=1)
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_NxRxD.reshape(-1, D)])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_NxR.reshape(-1)])
-  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(), targets_M, chunk=chunk,
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(param_dtype=True), targets_M, chunk=chunk,
                                   temperature=_split_temperature(B * (P - 1), N * R, temperature),
                                   with_entropy=with_entropy)
   logp = _to_rows(logp_M, len_N, B, G, P, R, S)
@@ -246,8 +217,8 @@ def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.A
 
 
 def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
-                     group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int, chunk: int = 1024,
-                     temperature: float = 1.0, with_entropy: bool = False):
+                     group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int,
+                     chunk: int | str = 1024, temperature: float = 1.0, with_entropy: bool = False):
   """`shared_prefix_log_probs` on packed responses: the same values at prompt positions and at the
   response tokens (t < len_n + response_len_n), 0 after them. Needs sum(response_len) <= capacity."""
   N, S = tokens_NxS.shape
@@ -267,7 +238,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   h_MxD = jnp.concatenate([hp[:, :-1].reshape(-1, D), h_in_CxD])
   targets_M = jnp.concatenate([tokens_BxP[:, 1:].reshape(-1), tokens_C])
   split = B * (P - 1)
-  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(), targets_M, chunk=chunk,
+  logp_M, ent_M = token_log_probs(h_MxD, model.unembed_rows(param_dtype=True), targets_M, chunk=chunk,
                                   temperature=_split_temperature(split, C, temperature), with_entropy=with_entropy)
 
   def to_layout(values_M):

@@ -179,19 +179,19 @@ def test_rows_transposed_is_the_transpose(M):
   np.testing.assert_array_equal(np.asarray(jax.jit(rows_transposed)(x), np.float32), np.asarray(x, np.float32).T)
 
 
-def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_values():
-  from erpo_jax.model.cpu_bf16 import bf16_lm_head_logits as lm_head_logits  # the CPU's form, on any backend
+@pytest.mark.parametrize("cpu_form", [True, False])
+def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_values(cpu_form):
+  from erpo_jax.model.cpu_bf16 import lm_head_grads, lm_head_logits
   kw, kh, kg = jax.random.split(jax.random.key(2), 3)
   w = jax.random.normal(kw, (320, 64), jnp.float32).astype(jnp.bfloat16)
   h = jax.random.normal(kh, (16, 64), jnp.float32).astype(jnp.bfloat16)
-  g = jax.random.normal(kg, (320, 16), jnp.float32)
-  logits, pullback = jax.vjp(lm_head_logits, w, h)
-  dw, dh = jax.jit(pullback)(g)
-  assert logits.dtype == jnp.float32 and dw.dtype == dh.dtype == jnp.bfloat16
+  g = jax.random.normal(kg, (320, 16), jnp.float32).astype(jnp.bfloat16)
+  logits = jax.jit(lambda w, h: lm_head_logits(w, h, cpu_form=cpu_form))(w, h)
+  dw, dh = jax.jit(lambda w, h, g: lm_head_grads(w, h, g, cpu_form=cpu_form))(w, h, g)
+  assert logits.dtype == dw.dtype == dh.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(logits, np.float64), _f64(w) @ _f64(h).T, rtol=1e-5, atol=1e-4)
-  g16 = _f64(g.astype(jnp.bfloat16))  # the cotangent is rounded to bf16 once, then summed in float32
-  np.testing.assert_allclose(_f64(dw), g16 @ _f64(h), rtol=2.0 ** -7, atol=1e-2)
-  np.testing.assert_allclose(_f64(dh), g16.T @ _f64(w), rtol=2.0 ** -7, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(dw, np.float64), _f64(g) @ _f64(h), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dh, np.float64), _f64(g).T @ _f64(w), rtol=1e-5, atol=1e-4)
 
 
 @CPU_ONLY
