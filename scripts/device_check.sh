@@ -19,7 +19,8 @@ Runs, each phase under \`timeout\`, within DEVICE_CHECK_BUDGET_S seconds in all 
                the update's MFU
   big_profile  big_step with --profile: the same timings, then one traced update, each op's time and matmul
                FLOP/s (big_profile/<variant>/ops.txt, trace/ for Perfetto)
-  big_noremat  big_step with model.remat=false: what recomputation in the backward pass costs, and its memory
+  big_ab       big_step with DEVICE_CHECK_AB's overrides (default model.logits_chunk=128, the CPU's chunk):
+               an A/B against big_step or big_profile in the same call
   big_rollout  erpo-jax bench rollout on configs/bench_qwen25_05b.yaml: decode vs the HBM floor
   peer_trl     scripts/peers/trl_grpo_bench.py --device cuda (TRL's GRPOTrainer on the reference workload),
                where trl imports (GPU only): trl.json
@@ -43,8 +44,10 @@ Environment:
   PYTHON                   the interpreter (default python3)
   DEVICE_CHECK_PLATFORM    gpu (default) or cpu
   DEVICE_CHECK_BUDGET_S    seconds for all phases (default 540: under a 10-minute command limit)
-  DEVICE_CHECK_PHASES      the phases to run, in order (default: big_profile tests big_noremat peer_trl
-                           ref_rl big_rollout ref_step ref_rollout; --cpu: every phase but peer_trl)
+  DEVICE_CHECK_PHASES      the phases to run, in order (default: big_profile big_ab tests peer_trl ref_rl
+                           big_rollout ref_step ref_rollout; --cpu: every phase but peer_trl)
+  DEVICE_CHECK_AB          the big_ab phase's overrides, space-separated (default model.logits_chunk=128;
+                           model.remat=false needs 191.5 GiB at this shape on one H200: out of memory)
   DEVICE_CHECK_TESTS       the test files of the tests phase
   DEVICE_CHECK_TESTS_LIMIT_S  the tests phase's limit in seconds (default 240; on an H200 the default files
                            ran 59 of their 69 tests in 180 s with 4 workers)
@@ -81,8 +84,8 @@ done
 out=${OUT:-./device_out}
 py=${PYTHON:-python3}
 budget=${DEVICE_CHECK_BUDGET_S:-540}
-default_phases="big_step big_profile big_noremat big_rollout ref_rl tests ref_step ref_rollout"
-[[ $platform == gpu ]] && default_phases="big_profile tests big_noremat peer_trl ref_rl big_rollout ref_step ref_rollout"
+default_phases="big_step big_profile big_ab big_rollout ref_rl tests ref_step ref_rollout"
+[[ $platform == gpu ]] && default_phases="big_profile big_ab tests peer_trl ref_rl big_rollout ref_step ref_rollout"
 phases=${DEVICE_CHECK_PHASES:-$default_phases}
 export ERPO_JAX_CACHE_DIR=${ERPO_JAX_CACHE_DIR:-/tmp/erpo-jax-device-check-xla}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
@@ -272,9 +275,10 @@ for phase in $phases; do
     big_profile)
       run_phase big_profile 250 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
         --profile "$out/big_profile" --out "$out/big_profile.jsonl" "${small[@]}" "${overrides[@]}" ;;
-    big_noremat)
-      run_phase big_noremat 170 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
-        --out "$out/big_noremat.jsonl" "${small[@]}" "${overrides[@]}" model.remat=false ;;
+    big_ab)
+      read -r -a ab <<<"${DEVICE_CHECK_AB:-model.logits_chunk=128}"
+      run_phase big_ab 170 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
+        --out "$out/big_ab.jsonl" "${small[@]}" "${overrides[@]}" "${ab[@]}" ;;
     big_rollout)
       run_phase big_rollout 120 "${cli[@]}" bench rollout --config "$big" "${iters[@]}" \
         --out "$out/big_rollout.jsonl" "${small[@]}" "${overrides[@]}" ;;

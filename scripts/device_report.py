@@ -16,7 +16,7 @@ import pathlib
 import sys
 import xml.etree.ElementTree as ET
 
-BENCH_PHASES = ("big_step", "big_profile", "big_noremat", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
+BENCH_PHASES = ("big_step", "big_profile", "big_ab", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
 
 
 def read_records(path: pathlib.Path) -> list[dict]:
@@ -64,7 +64,8 @@ def step_lines(records: list[dict]) -> list[str]:
       lines.append(f"{r['name']}: error: {r['error']}")
       continue
     lines.append(
-        f"{r['name']} ({r.get('label')}, N={r.get('N')} x S={r.get('S')}, {r.get('dtype')}): "
+        f"{r['name']} ({r.get('label')}, N={r.get('N')} x S={r.get('S')}, {r.get('dtype')}, lm-head chunk "
+        f"{r.get('logits_chunk')} tokens, remat {r.get('remat')}): "
         f"{_num(r.get('time_s'), ' s')} per update, {_num(r.get('flops_per_s'), ' TFLOP/s', 1e12)} plain-layout "
         f"equivalent; MFU {_pct(r.get('mfu'))} of {_num(r.get('spec_flops_per_s'), ' TFLOP/s', 1e12)} (data sheet, "
         f"bf16 dense); {_pct(r.get('utilisation'))} of the measured matmul peak "

@@ -102,7 +102,7 @@ def _chunked_bwd(with_entropy, res, g):
     dw_C, dh_CxD = cpu_bf16.lm_head_grads(w_VxD, h_CxD, g_VxC)
     return dw_VxD + dw_C, dh_CxD.astype(h_CxD.dtype)
 
-  dw_VxD, dh_nxCxD = jax.lax.scan(one, jnp.zeros(w_VxD.shape, jnp.float32),
+  dw_VxD, dh_nxCxD = jax.lax.scan(one, jnp.zeros_like(w_in, dtype=jnp.float32),
                                   (h_nxCxD, t_nxC, temp_nxC, g_logp_nxC, g_ent_nxC))
   return dw_VxD.astype(w_in.dtype), dh_nxCxD, None, None
 

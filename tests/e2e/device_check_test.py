@@ -12,7 +12,7 @@ import pytest
 import tiny_runs
 
 SCRIPT = tiny_runs.REPO / "scripts" / "device_check.sh"
-PHASES = ("tests", "big_step", "big_profile", "big_noremat", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
+PHASES = ("tests", "big_step", "big_profile", "big_ab", "big_rollout", "ref_rl", "ref_rollout", "ref_step")
 
 
 def _report_module():
@@ -43,7 +43,7 @@ def test_report_gives_the_updates_mfu_and_decode_against_the_bandwidth_floor(tmp
   device = {"name": "device", "device_kind": "NVIDIA H200", "platform": "gpu", "device_count": 1,
             "spec_flops_per_s": 989e12, "spec_bytes_per_s": 4.8e12}
   step = {"name": "step/c/shared_prefix_on", "label": "grpo_policy_kl", "N": 256, "S": 320, "dtype": "bfloat16",
-          "time_s": 0.8, "flops_per_s": 494.5e12, "mfu": 0.5, "spec_flops_per_s": 989e12, "utilisation": 0.7,
+          "logits_chunk": 1664, "remat": True, "time_s": 0.8, "flops_per_s": 494.5e12, "mfu": 0.5, "spec_flops_per_s": 989e12, "utilisation": 0.7,
           "peak_flops_per_s": 706e12, "compile_s": 41.0, "peak_device_bytes": 3.2e10,
           "work_flops_per_s": 395.6e12, "work_mfu": 0.4}
   sampler = {"name": "rollout/sampler", "N": 256, "decode_tokens_per_s": 51200.0, "decode_step_s": 5e-3,
@@ -56,6 +56,7 @@ def test_report_gives_the_updates_mfu_and_decode_against_the_bandwidth_floor(tmp
       '<testcase classname="a" name="ok"/><testcase classname="a" name="bad"><failure/></testcase>'
       '<testcase classname="b" name="ok"/></testsuite></testsuites>')
   md, digest = _report_module().report(tmp_path)
+  assert "(grpo_policy_kl, N=256 x S=320, bfloat16, lm-head chunk 1664 tokens, remat True): 0.8 s per update" in md
   assert ("494 TFLOP/s plain-layout equivalent; MFU 50.0% of 989 TFLOP/s (data sheet, bf16 dense); 70.0% of the "
           "measured matmul peak 706 TFLOP/s; of the update's own work (each prompt once): 396 TFLOP/s, MFU 40.0%") in md
   assert "decode: 5.12e+04 tokens/s (256 rows, 5 ms per token step); memory-bandwidth floor 0.5 ms at 4.8 TB/s" in md
