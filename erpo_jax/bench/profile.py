@@ -3,8 +3,8 @@
     erpo-jax bench step --config configs/bench_reference.yaml --variants c --shared-prefix on --profile DIR
 
 writes, for each step variant, DIR/<variant>/ with the profiler's trace (`trace/`: open it in Perfetto or
-TensorBoard's profile plugin), `ops.json` (every op the trace timed, slowest first) and `ops.txt` (the same as a
-table), and the bench prints one `profile/...` JSON line: the call's wall time, the time of matmul ops and of the
+TensorBoard's profile plugin), `ops.json` (every op the trace timed, slowest first), `ops.txt` (the same as a
+table) and `program.hlo.txt` (the compiled program, with each op's operands and layouts), and the bench prints one `profile/...` JSON line: the call's wall time, the time of matmul ops and of the
 rest, and the matmul FLOP/s achieved inside the matmul ops.
 
 An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
@@ -290,6 +290,7 @@ def profile_call(run: Callable[[], Any], hlo_text: str, out_dir: str | pathlib.P
   totals = summarise(rows, wall, overlap)
   (out / "ops.json").write_text(json.dumps({"totals": totals, "ops": rows}, indent=1) + "\n")
   (out / "ops.txt").write_text(format_table(rows, top=len(rows)) + "\n")
+  (out / "program.hlo.txt").write_text(hlo_text)  # the compiled program the op names refer to
   return {**totals, "dir": str(out),
           "top": [{k: r[k] for k in ("op", "seconds", "count", "flops_per_s", "beside_share", "shape", "source")}
                   for r in rows[:10]]}

@@ -3,9 +3,9 @@
 Dimension letters: M tokens, D hidden, V vocab, C tokens per chunk, n chunks.
 
 One custom VJP covers the whole chunk loop. Forward: each chunk's float32 logits z = W h^T / T, their
-log-sum-exp, the target's log-prob and, when asked, the entropy; nothing of a chunk is kept. Backward: the loop
-again, each chunk's logits recomputed, its cotangent rounded once to the compute dtype, and the unembedding's
-gradient summed in float32 over the chunks, returned once in W's own dtype. Autodiff of the loop would sum that
+log-sum-exp, the target's log-prob and, when asked, the entropy; of a chunk only its log-sum-exp ([C]) is kept.
+Backward: the loop again, each chunk's logits recomputed, its cotangent rounded once to the compute dtype, and the
+unembedding's gradient summed in float32 over the chunks, returned once in W's own dtype. Autodiff of the loop would sum that
 gradient in the dtype W has inside it: in bfloat16 the sum of n chunks loses precision as n grows.
 """
 
@@ -56,54 +56,57 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
 
 
 def _logits(w_VxD, h_CxD, temp_C):
-  """z [V, C] = W h^T / T in float32, with its log-sum-exp [C] and softmax [V, C]."""
-  z_VxC = cpu_bf16.lm_head_logits(w_VxD, h_CxD) / temp_C[None]
-  lse_C = jax.nn.logsumexp(z_VxC, axis=0)
-  return z_VxC, lse_C, jnp.exp(z_VxC - lse_C[None])
+  """z [V, C] = W h^T / T in float32."""
+  return cpu_bf16.lm_head_logits(w_VxD, h_CxD) / temp_C[None]
 
 
 def _forward(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC):
+  """(logp, entropy, log-sum-exp), each [n, C]."""
   w_VxD = w_VxD.astype(h_nxCxD.dtype)
 
   def one(x):
     h_CxD, t_C, temp_C = x
-    z_VxC, lse_C, p_VxC = _logits(w_VxD, h_CxD, temp_C)
+    z_VxC = _logits(w_VxD, h_CxD, temp_C)
+    lse_C = jax.nn.logsumexp(z_VxC, axis=0)
     logp_C = jnp.take_along_axis(z_VxC, t_C[None], axis=0)[0] - lse_C
     if not with_entropy:
-      return logp_C, jnp.zeros_like(logp_C)
-    return logp_C, lse_C - jnp.sum(p_VxC * z_VxC, axis=0)
+      return logp_C, jnp.zeros_like(logp_C), lse_C
+    return logp_C, lse_C - jnp.sum(jnp.exp(z_VxC - lse_C[None]) * z_VxC, axis=0), lse_C
 
   return jax.lax.map(one, (h_nxCxD, t_nxC, temp_nxC))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC):
-  return _forward(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC)
+  return _forward(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC)[:2]
 
 
 def _chunked_fwd(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC):
-  return _forward(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC), (w_VxD, h_nxCxD, t_nxC, temp_nxC)
+  logp, ent, lse = _forward(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC)
+  return (logp, ent), (w_VxD, h_nxCxD, t_nxC, temp_nxC, lse, ent)
 
 
 def _chunked_bwd(with_entropy, res, g):
-  w_in, h_nxCxD, t_nxC, temp_nxC = res
+  w_in, h_nxCxD, t_nxC, temp_nxC, lse_nxC, ent_nxC = res
   g_logp_nxC, g_ent_nxC = g
   w_VxD = w_in.astype(h_nxCxD.dtype)
   V = w_VxD.shape[0]
 
   def one(dw_VxD, x):
-    h_CxD, t_C, temp_C, g_logp_C, g_ent_C = x
-    z_VxC, _, p_VxC = _logits(w_VxD, h_CxD, temp_C)
-    # d logp / dz = onehot(t) - p;  d entropy / dz = -p (z - sum(p z))
+    h_CxD, t_C, temp_C, lse_C, ent_C, g_logp_C, g_ent_C = x
+    z_VxC = _logits(w_VxD, h_CxD, temp_C)
+    p_VxC = jnp.exp(z_VxC - lse_C[None])  # the forward's log-sum-exp: no reduction over V here
+    # d logp / dz = onehot(t) - p;  d entropy / dz = -p (z - sum(p z)), sum(p z) = lse - entropy
     dz_VxC = g_logp_C[None] * (jnp.where(jnp.arange(V)[:, None] == t_C[None], 1.0, 0.0) - p_VxC)
     if with_entropy:
-      dz_VxC = dz_VxC - g_ent_C[None] * p_VxC * (z_VxC - jnp.sum(p_VxC * z_VxC, axis=0)[None])
-    g_VxC = (dz_VxC / temp_C[None]).astype(h_CxD.dtype)  # the raw logits' cotangent, rounded once
+      dz_VxC = dz_VxC - g_ent_C[None] * p_VxC * (z_VxC - (lse_C - ent_C)[None])
+    # The raw logits' cotangent, rounded once and stored: a product that fused its producer would recompute it.
+    g_VxC = jax.lax.optimization_barrier((dz_VxC / temp_C[None]).astype(h_CxD.dtype))
     dw_C, dh_CxD = cpu_bf16.lm_head_grads(w_VxD, h_CxD, g_VxC)
     return dw_VxD + dw_C, dh_CxD.astype(h_CxD.dtype)
 
   dw_VxD, dh_nxCxD = jax.lax.scan(one, jnp.zeros_like(w_in, dtype=jnp.float32),
-                                  (h_nxCxD, t_nxC, temp_nxC, g_logp_nxC, g_ent_nxC))
+                                  (h_nxCxD, t_nxC, temp_nxC, lse_nxC, ent_nxC, g_logp_nxC, g_ent_nxC))
   return dw_VxD.astype(w_in.dtype), dh_nxCxD, None, None
 
 
