@@ -5,8 +5,10 @@ Dimension letters: M tokens, D hidden, V vocab, C tokens per chunk, n chunks.
 One custom VJP covers the whole chunk loop. Forward: each chunk's float32 logits z = W h^T / T, their
 log-sum-exp, the target's log-prob and, when asked, the entropy; of a chunk only its log-sum-exp ([C]) is kept.
 Backward: the loop again, each chunk's logits recomputed, its cotangent rounded once to the compute dtype, and the
-unembedding's gradient summed in float32 over the chunks, returned once in W's own dtype. Autodiff of the loop would sum that
-gradient in the dtype W has inside it: in bfloat16 the sum of n chunks loses precision as n grows.
+unembedding's gradient summed in float32 over the chunks, returned once in W's own dtype. Autodiff of the loop
+would sum that gradient in the dtype W has inside it: in bfloat16 the sum of n chunks loses precision as n grows.
+The logits are W [V, D] @ h^T [D, C] (column-major): XLA's CPU streams W in place and the weight gradient comes
+out as [V, D], with no transpose of a [V, D]-sized operand.
 """
 
 from __future__ import annotations
