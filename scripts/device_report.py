@@ -55,14 +55,20 @@ def _num(x, unit: str = "", scale: float = 1.0, digits: int = 3) -> str:
   return "n/a" if x is None else f"{x / scale:.{digits}g}{unit}"
 
 
-def step_lines(records: list[dict]) -> list[str]:
-  lines = []
+def _named(records: list[dict], prefix: str, lines: list[str]):
+  """The records whose name starts with prefix; an error record becomes one line of `lines` instead."""
   for r in records:
-    if not r.get("name", "").startswith("step/"):
+    if not r.get("name", "").startswith(prefix):
       continue
     if "error" in r:
       lines.append(f"{r['name']}: error: {r['error']}")
       continue
+    yield r
+
+
+def step_lines(records: list[dict]) -> list[str]:
+  lines = []
+  for r in _named(records, "step/", lines):
     lines.append(
         f"{r['name']} ({r.get('label')}, N={r.get('N')} x S={r.get('S')}, {r.get('dtype')}, lm-head chunk "
         f"{r.get('logits_chunk')} tokens, remat {r.get('remat')}): "
@@ -79,21 +85,17 @@ def step_lines(records: list[dict]) -> list[str]:
 def profile_lines(records: list[dict]) -> list[str]:
   """A traced update (`bench step --profile`): where its time went, and its ten slowest ops."""
   lines = []
-  for r in records:
-    if not r.get("name", "").startswith("profile/"):
-      continue
-    if "error" in r:
-      lines.append(f"{r['name']}: error: {r['error']}")
-      continue
+  for r in _named(records, "profile/", lines):
     lines.append(
         f"{r['name']}: traced update {_num(r.get('wall_s'), ' s')}; ops {_num(r.get('ops_s'), ' s')} in all "
-        f"({r.get('ops')} ops; some op ran {_num(r.get('busy_s'), ' s')}): matmul ops {_num(r.get('matmul_s'), ' s')} "
+        f"({r.get('ops')} ops; some op ran {_num(r.get('busy_s'), ' s')}): matmul ops "
+        f"{_num(r.get('matmul_s'), ' s')} "
         f"at {_num(r.get('matmul_flops_per_s'), ' TFLOP/s', 1e12)} ({_pct(r.get('matmul_utilisation'))} of the "
         f"measured matmul peak), other ops {_num(r.get('other_s'), ' s')}; every op: {r.get('dir')}/ops.txt")
     for t in r.get("top") or []:
       rate = t.get("flops_per_s")
-      lines.append(f"slow op: {_num(t.get('seconds'), ' ms', 1e-3)} x{t.get('count')} {t.get('op')} {t.get('shape')}"
-                   f"{f' at {rate / 1e12:.3g} TFLOP/s' if rate else ''} ({str(t.get('source'))[-90:]})")
+      lines.append(f"slow op: {_num(t.get('seconds'), ' ms', 1e-3)} x{t.get('count')} {t.get('op')} "
+                   f"{t.get('shape')}{f' at {rate / 1e12:.3g} TFLOP/s' if rate else ''} ({str(t.get('source'))[-90:]})")
   return lines
 
 

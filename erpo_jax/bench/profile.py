@@ -4,8 +4,9 @@
 
 writes, for each step variant, DIR/<variant>/ with the profiler's trace (`trace/`: open it in Perfetto or
 TensorBoard's profile plugin), `ops.json` (every op the trace timed, slowest first), `ops.txt` (the same as a
-table) and `program.hlo.txt` (the compiled program, with each op's operands and layouts), and the bench prints one `profile/...` JSON line: the call's wall time, the time of matmul ops and of the
-rest, and the matmul FLOP/s achieved inside the matmul ops.
+table) and `program.hlo.txt` (the compiled program, with each op's operands and layouts), and the bench prints
+one `profile/...` JSON line: the call's wall time, the time of matmul ops and of the rest, and the matmul FLOP/s
+achieved inside the matmul ops.
 
 An op is an instruction of the compiled program (a fusion, a dot, a copy, ...); the trace names each executed op
 (XLA's CPU thunks, GPU kernels carry it as `hlo_op`). Its FLOPs are those of the dots it computes, fused or not,
