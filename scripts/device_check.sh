@@ -252,6 +252,7 @@ else
   tests_default="tests/unit/bench/peer_test.py"
 fi
 read -r -a tests <<<"${DEVICE_CHECK_TESTS:-$tests_default}"
+big_step=("${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}")  # + --out and overrides
 # Without the builtin: its tokenizer for every bench, random weights of its shape for the reference workload.
 overrides=()
 deselect=()
@@ -270,15 +271,13 @@ for phase in $phases; do
         XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -v -m "not slow" "${workers[@]}" \
         -p no:cacheprovider --junitxml "$out/tests.xml" "${deselect[@]}" "${tests[@]}" ;;
     big_step)
-      run_phase big_step 170 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
-        --out "$out/big_step.jsonl" "${small[@]}" "${overrides[@]}" ;;
+      run_phase big_step 170 "${big_step[@]}" --out "$out/big_step.jsonl" "${small[@]}" "${overrides[@]}" ;;
     big_profile)
-      run_phase big_profile 250 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
-        --profile "$out/big_profile" --out "$out/big_profile.jsonl" "${small[@]}" "${overrides[@]}" ;;
+      run_phase big_profile 250 "${big_step[@]}" --profile "$out/big_profile" --out "$out/big_profile.jsonl" \
+        "${small[@]}" "${overrides[@]}" ;;
     big_ab)
       read -r -a ab <<<"${DEVICE_CHECK_AB:-model.logits_chunk=128}"
-      run_phase big_ab 170 "${cli[@]}" bench step --config "$big" --variants c --shared-prefix on "${iters[@]}" \
-        --out "$out/big_ab.jsonl" "${small[@]}" "${overrides[@]}" "${ab[@]}" ;;
+      run_phase big_ab 170 "${big_step[@]}" --out "$out/big_ab.jsonl" "${small[@]}" "${overrides[@]}" "${ab[@]}" ;;
     big_rollout)
       run_phase big_rollout 120 "${cli[@]}" bench rollout --config "$big" "${iters[@]}" \
         --out "$out/big_rollout.jsonl" "${small[@]}" "${overrides[@]}" ;;

@@ -129,7 +129,8 @@ def plan_packing(lengths: np.ndarray, tokens_per_batch: int = TOKENS_PER_BATCH, 
 
 
 def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH,
-                           mesh=None, chunk: int = 512, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                           mesh=None, chunk: int | str = "auto", progress: bool = True
+                           ) -> tuple[np.ndarray, np.ndarray]:
   """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q].
 
   The prompts are packed end to end (`plan_packing`) into rows of

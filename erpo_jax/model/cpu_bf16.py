@@ -62,10 +62,15 @@ def _matmul_bwd(res, dy_MxN):
 matmul_f32_sums.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def _cpu(cpu_form: bool | None, *arrays: jax.Array) -> bool:
+  """The CPU's bf16 product form: as asked, or (None) where `applies`."""
+  return applies(*arrays) if cpu_form is None else cpu_form
+
+
 def lm_head_logits(w_VxD: jax.Array, h_CxD: jax.Array, *, cpu_form: bool | None = None) -> jax.Array:
   """Float32 logits [V, C] = W [V, D] @ h^T, h^T laid out by `rows_transposed` in the CPU's bf16 form
   (cpu_form: None = where `applies`)."""
-  if applies(w_VxD, h_CxD) if cpu_form is None else cpu_form:
+  if _cpu(cpu_form, w_VxD, h_CxD):
     return jnp.matmul(w_VxD, rows_transposed(h_CxD), preferred_element_type=jnp.float32)
   return jnp.matmul(w_VxD, h_CxD.T, preferred_element_type=jnp.float32)
 
@@ -75,5 +80,5 @@ def lm_head_grads(w_VxD: jax.Array, h_CxD: jax.Array, g_VxC: jax.Array, *, cpu_f
   """The gradients of `lm_head_logits` for the logits' cotangent g [V, C] (in the compute dtype): float32
   sums dW [V, D] = g @ h and dh [C, D] = g^T @ W, g^T laid out by `rows_transposed` in the CPU's bf16 form."""
   dw_VxD = jnp.matmul(g_VxC, h_CxD, preferred_element_type=jnp.float32)
-  g_CxV = rows_transposed(g_VxC) if (applies(w_VxD, h_CxD, g_VxC) if cpu_form is None else cpu_form) else g_VxC.T
+  g_CxV = rows_transposed(g_VxC) if _cpu(cpu_form, w_VxD, h_CxD, g_VxC) else g_VxC.T
   return dw_VxD, jnp.matmul(g_CxV, w_VxD, preferred_element_type=jnp.float32)

@@ -52,7 +52,7 @@ def token_log_probs(h_MxD: jax.Array, w_VxD: jax.Array, targets_M: jax.Array, *,
   t_nxC = jnp.pad(targets_M, (0, pad)).reshape(n, C)
   temp_nxC = jnp.pad(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (M,)), (0, pad),
                      constant_values=1.0).reshape(n, C)
-  logp, ent = _chunked(with_entropy, w_VxD, h_nxCxD, t_nxC, jax.lax.stop_gradient(temp_nxC))
+  logp, ent = _chunked(with_entropy, w_VxD, h_nxCxD, t_nxC, temp_nxC)
   logp, ent = logp.reshape(-1)[:M], ent.reshape(-1)[:M]
   return logp, (ent if with_entropy else None)
 

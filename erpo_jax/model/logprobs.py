@@ -82,7 +82,7 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 
 
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
-              response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int | str = 1024,
+              response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int | str = "auto",
               layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None):
   """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 

@@ -92,7 +92,7 @@ def group_layout(model: Transformer, tokens_NxS, prompt_len_N, G: int, prompt_bu
 
 
 def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
-                            *, prompt_bucket: int, response_bucket: int, chunk: int | str = 1024,
+                            *, prompt_bucket: int, response_bucket: int, chunk: int | str = "auto",
                             temperature: float = 1.0, with_entropy: bool = False):
   """`logprobs.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
 
@@ -218,7 +218,7 @@ def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.A
 
 def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
                      group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int,
-                     chunk: int | str = 1024, temperature: float = 1.0, with_entropy: bool = False):
+                     chunk: int | str = "auto", temperature: float = 1.0, with_entropy: bool = False):
   """`shared_prefix_log_probs` on packed responses: the same values at prompt positions and at the
   response tokens (t < len_n + response_len_n), 0 after them. Needs sum(response_len) <= capacity."""
   N, S = tokens_NxS.shape
