@@ -35,9 +35,12 @@ class NoStopTokens:
   eos_ids: tuple[int, ...] = ()
 
 
-def kv_bytes_per_step(mc, rows: int, context: float, itemsize: int) -> float:
-  """Keys and values one decode step reads: 2 L N context K Dh bytes-per-element."""
-  return 2.0 * mc.num_layers * rows * context * mc.num_kv_heads * mc.head_dim * itemsize
+def kv_bytes_per_step(mc, prompts: int, prompt_slots: float, rows: int, response_slots: float,
+                      itemsize: int) -> float:
+  """Keys and values one decode step reads: 2 L (B prompt_slots + N response_slots) K Dh bytes-per-element
+  (the sampler's `GroupKVCache` holds a prompt's slots once for its G rows)."""
+  slots = prompts * prompt_slots + rows * response_slots
+  return 2.0 * mc.num_layers * slots * mc.num_kv_heads * mc.head_dim * itemsize
 
 
 def _sampler(cfg, graphdef, pad_id: int, mesh, max_new_tokens: int, temperature: float) -> Sampler:
@@ -83,7 +86,7 @@ def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   generated = int(np.asarray(rollout.response_len).sum())
   itemsize = np.dtype(model.dtype).itemsize
   param_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(params))
-  kv_valid = kv_bytes_per_step(mc, N, float(len_B.mean()) + M / 2, itemsize)
+  kv_valid = kv_bytes_per_step(mc, B, float(len_B.mean()), N, M / 2, itemsize)
   step_s = decode / steps if steps else float("nan")
   step_flops = bench_flops.decode_step_flops(mc, N, T)
   pre_flops = bench_flops.prefill_flops(mc, B, P)
@@ -99,7 +102,7 @@ def measure_sampler(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
       "prefill_flops": pre_flops, "prefill_flops_per_s": pre_flops / prefill,
       "decode_step_flops": step_flops, "decode_flops_per_s": step_flops / step_s,
       "param_bytes": param_bytes, "kv_bytes_per_step": kv_valid,
-      "kv_bytes_per_step_all_slots": kv_bytes_per_step(mc, N, T, itemsize),
+      "kv_bytes_per_step_all_slots": kv_bytes_per_step(mc, B, P, N, M, itemsize),
       **bench_probe.peak_memory(), **bench_probe.device_info(),
       **bench_probe.host_window_fields(window)}
 

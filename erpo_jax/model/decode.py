@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from erpo_jax.model.cpu_bf16 import matmul_rounded as mm
-from erpo_jax.model.kv_cache import KVCache, decode_attention
+from erpo_jax.model.kv_cache import GroupKVCache, KVCache
 
 _NAMES = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
 
@@ -57,8 +57,8 @@ def rope_cols(xT_HxDhxN: jax.Array, cosT_1xDhxN: jax.Array, sinT_1xDhxN: jax.Arr
   return (x * cosT_1xDhxN + rotated * sinT_1xDhxN).astype(xT_HxDhxN.dtype)
 
 
-def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Array, sin_N1x1xDh: jax.Array,
-                 slot, attend_NxT: jax.Array, cfg) -> tuple[jax.Array, KVCache]:
+def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache | GroupKVCache, cos_N1x1xDh: jax.Array,
+                 sin_N1x1xDh: jax.Array, slot, attend_NxT: jax.Array, cfg) -> tuple[jax.Array, KVCache | GroupKVCache]:
   """One layer of `Transformer.decode` on hT [D, N] with `decode_layers` weights p; the new token's key and
   value go into cache slot `slot` first. Returns (next hT, the updated cache)."""
   D, N = hT_DxN.shape
@@ -76,7 +76,7 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache, cos_N1x1xDh: jax.Ar
   kT = rope_cols(kT.reshape(K, Dh, N), cosT, sinT)
   rows = lambda xT_HxDhxN: jnp.transpose(xT_HxDhxN, (2, 0, 1))  # [N, H, Dh]
   cache = cache.write(rows(kT)[:, None], rows(vT.reshape(K, Dh, N))[:, None], slot)
-  o_NxHxDh = decode_attention(rows(qT), cache.k, cache.v, attend_NxT)
+  o_NxHxDh = cache.attend(rows(qT), attend_NxT)
   hT_DxN = hT_DxN + mm(p["wo"], o_NxHxDh.reshape(N, H * Dh).T)
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
   gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from erpo_jax.model import cpu_bf16
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols
-from erpo_jax.model.kv_cache import KVCache
+from erpo_jax.model.kv_cache import GroupKVCache, KVCache
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -189,20 +189,21 @@ class Transformer(nnx.Module):
     return self.final_hidden(h), cache
 
   def decode(self, tokens_N: jax.Array, positions_N: jax.Array, slot: jax.Array, attend_NxT: jax.Array,
-             cache: list[KVCache], layers: list[dict] | None = None) -> tuple[jax.Array, list[KVCache]]:
+             cache: list[KVCache] | list[GroupKVCache], layers: list[dict] | None = None) -> tuple[jax.Array, list]:
     """One token per row at RoPE position positions_N[i]; returns hidden [N, D] and the updated cache.
 
     Each layer first writes the new key and value into cache column `slot`,
     the same column for every row (an in-place column write, no per-row
     scatter), then each row attends to the slots attend_NxT marks, which must
-    include `slot`. Pass `layers=self.decode_layers()` made once outside a loop. The sampler's loop
-    stays column-major instead: `decode_columns`, then `logits_columns`.
+    include `slot`. Pass `layers=self.decode_layers()` made once outside a loop. The cache is a list of
+    `KVCache` (every slot per row) or of `GroupKVCache` (prompt slots once per group of rows). The sampler's
+    loop stays column-major instead: `decode_columns`, then `logits_columns`.
     """
     hT_DxN, cache = self.decode_columns(tokens_N, positions_N, slot, attend_NxT, cache, layers)
     return hT_DxN.T, cache
 
-  def decode_columns(self, tokens_N, positions_N, slot, attend_NxT, cache: list[KVCache],
-                     layers: list[dict] | None = None) -> tuple[jax.Array, list[KVCache]]:
+  def decode_columns(self, tokens_N, positions_N, slot, attend_NxT, cache: list[KVCache] | list[GroupKVCache],
+                     layers: list[dict] | None = None) -> tuple[jax.Array, list]:
     """`decode` with the final-normed hidden states column-major, [D, N] (see model/decode.py)."""
     layers = self.decode_layers() if layers is None else layers
     hT_DxN = self.embed_tokens(tokens_N).T

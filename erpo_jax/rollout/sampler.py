@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
+from erpo_jax.model.kv_cache import GroupKVCache
 from erpo_jax.rollout.sampling import sample_token, sample_token_columns
 
 
@@ -149,9 +150,10 @@ class Sampler:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
   def _prefill_fn(self, state, tokens_BxP, len_B, *, group_size):
-    """Prefills each prompt once, then repeats its cache and last logits G times (rows b*G + g).
+    """Prefills each prompt once; returns its cache, held once per prompt (`GroupKVCache`: the G rows b*G + g
+    read prompt b's keys and values), and its last logits repeated G times.
 
-    The cache has T = P + M slots per row: the prompt in [0, P), decode token t in P + t.
+    The cache's slots: the prompt in [0, P), decode token t in P + t (a response slot of each row).
     """
     self.traces += 1
     model = nnx.merge(self.graphdef, state)
@@ -159,8 +161,8 @@ class Sampler:
     h_BxPxD, cache = model.prefill(tokens_BxP, tokens_BxP.shape[1])
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    rows = lambda c: jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0), c)  # row b*G + g: prompt b
-    cache = [jax.tree.map(lambda x: self._constrain(x, 0), rows(c).with_slots(self.max_new_tokens)) for c in cache]
+    cache = [jax.tree.map(lambda x: self._constrain(x, 0), GroupKVCache.for_groups(c, group_size, self.max_new_tokens))
+             for c in cache]
     return cache, self._constrain(jnp.repeat(logits_BxV, group_size, axis=0), 0)
 
   def _decode_fn(self, state, cache, logits_NxV, tokens_BxP, len_B, cut_N, key, temperature, group_id_offset,

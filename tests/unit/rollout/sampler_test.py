@@ -70,6 +70,18 @@ def test_prompt_and_response_layout_is_group_contiguous(model):
     assert np.all(tokens[n][len(p) + M:] == 0)  # pad_id
 
 
+def test_prefill_holds_each_prompts_keys_once_for_its_group(model):
+  G, M = 4, 6
+  s = Sampler(model, tok(), max_new_tokens=M, min_prompt_bucket=4)
+  tokens_BxP, len_B, _ = s.pad_prompts(PROMPTS)
+  cache, logits_NxV = s._prefill(nnx.state(model), tokens_BxP, len_B, group_size=G)
+  B, P = tokens_BxP.shape
+  assert len(cache) == CFG.num_layers and logits_NxV.shape == (B * G, V)
+  for c in cache:  # a GroupKVCache: prompt slots per prompt, response slots per row
+    assert c.prompt.k.shape[0] == B and c.prompt.k.shape[-1] == P and c.prompt.v.shape[:3] == (B, CFG.num_kv_heads, P)
+    assert c.response.k.shape[0] == B * G and c.response.k.shape[-1] == M
+
+
 def test_logp_at_temperature_one_equals_model_log_probs(model):
   s = Sampler(model, tok(), max_new_tokens=12, min_prompt_bucket=4)
   r = s.generate(model, PROMPTS, group_size=4, key=jax.random.key(7))
