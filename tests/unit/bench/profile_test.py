@@ -172,3 +172,12 @@ def test_on_a_cpu_trace_the_host_threads_time_the_ops(tmp_path):
             {"ph": "X", "pid": 1, "tid": 7, "ts": 10.0, "dur": 3.0, "name": "fusion.1"}]
   _write_trace(tmp_path, events)
   assert profile.trace_op_intervals(tmp_path, {"fusion.1"}) == {"fusion.1": [pytest.approx((10e-6, 3e-6))]}
+
+
+def test_ops_above_the_peak_are_named_as_ops_whose_work_ran_outside_their_events():
+  rows = [{"op": "ynn_fusion.3", "flops_per_s": 1.1e11, "shape": "f32[49152,576]", "source": "dot_general"},
+          {"op": "dot_general.13", "flops_per_s": 1.36e13, "shape": "f32[128,576]", "source": "dot_general"},
+          {"op": "exp_fusion", "flops_per_s": None, "shape": "f32[128]", "source": "exp"}]
+  got = profile.above_peak(rows, 2.7e11)
+  assert got == [{"op": "dot_general.13", "flops_per_s": 1.36e13, "shape": "f32[128,576]", "source": "dot_general"}]
+  assert profile.above_peak(rows, 2e13) == []
