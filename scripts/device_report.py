@@ -96,6 +96,9 @@ def profile_lines(records: list[dict]) -> list[str]:
       rate = t.get("flops_per_s")
       lines.append(f"slow op: {_num(t.get('seconds'), ' ms', 1e-3)} x{t.get('count')} {t.get('op')} "
                    f"{t.get('shape')}{f' at {rate / 1e12:.3g} TFLOP/s' if rate else ''} ({str(t.get('source'))[-90:]})")
+    for t in r.get("ops_above_peak") or []:
+      lines.append(f"above the peak (its work ran outside its trace event): {t.get('op')} {t.get('shape')} at "
+                   f"{_num(t.get('flops_per_s'), ' TFLOP/s', 1e12)}")
   return lines
 
 

@@ -73,7 +73,9 @@ def test_report_says_where_a_traced_update_spent_its_time(tmp_path):
           "top": [{"op": "custom-call.7", "seconds": 0.125, "count": 24, "flops_per_s": 410e12,
                    "shape": "bf16[4096,4864]", "source": "jit(step)/transpose(jvp(mlp))/dot_general"},
                   {"op": "fusion.3", "seconds": 0.05, "count": 1, "flops_per_s": None, "shape": "f32[256,320]",
-                   "source": "jit(step)/reduce_max"}]}
+                   "source": "jit(step)/reduce_max"}],
+          "ops_above_peak": [{"op": "dot_general.13", "flops_per_s": 13.6e15, "shape": "f32[128,576]",
+                              "source": "jit(step)/dot_general"}]}
   (tmp_path / "big_profile.jsonl").write_text(json.dumps(prof) + "\n")
   md, _ = _report_module().report(tmp_path)
   assert ("profile/c/shared_prefix_on: traced update 1.6 s; ops 1.5 s in all (812 ops; some op ran 1.45 s): "
@@ -81,6 +83,8 @@ def test_report_says_where_a_traced_update_spent_its_time(tmp_path):
           "/o/big_profile/c_shared_prefix_on/ops.txt") in md
   assert "slow op: 125 ms x24 custom-call.7 bf16[4096,4864] at 410 TFLOP/s (jit(step)/transpose(jvp(mlp))/dot_general)" in md
   assert "slow op: 50 ms x1 fusion.3 f32[256,320] (jit(step)/reduce_max)" in md
+  assert ("above the peak (its work ran outside its trace event): dot_general.13 f32[128,576] at 1.36e+04 TFLOP/s"
+          in md), md
 
 
 @pytest.mark.slow
