@@ -245,11 +245,12 @@ def above_peak(rows: list[dict[str, Any]], peak_flops_per_s: float) -> list[dict
 def summarise(rows: list[dict[str, Any]], wall_s: float, overlap: dict[str, float] | None = None
               ) -> dict[str, Any]:
   """Totals over the op table: time in matmul ops and in the rest, matmul FLOPs and their rate; with
-  side_by_side()'s totals, the time some op ran (`busy_s`) and the time two or more ran (`side_by_side_s`)."""
+  side_by_side()'s totals, the time some op ran (`busy_s`) and the time two or more ran (`side_by_side_s`).
+  Loops and calls are left out of the times: their events span ops of their bodies, timed themselves."""
   mm = [r for r in rows if r["kind"] == "matmul"]
   matmul_s = sum(r["seconds"] for r in mm)
   flops = sum(r["flops"] for r in mm)
-  ops_s = sum(r["seconds"] for r in rows)
+  ops_s = sum(r["seconds"] for r in rows if r.get("opcode") not in _CONTAINERS)
   return {"wall_s": wall_s, "ops_s": ops_s, "matmul_s": matmul_s, "other_s": ops_s - matmul_s,
           "matmul_share": matmul_s / ops_s if ops_s else None, "matmul_flops": flops,
           "matmul_flops_per_s": flops / matmul_s if matmul_s else None,

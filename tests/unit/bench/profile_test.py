@@ -181,3 +181,15 @@ def test_ops_above_the_peak_are_named_as_ops_whose_work_ran_outside_their_events
   got = profile.above_peak(rows, 2.7e11)
   assert got == [{"op": "dot_general.13", "flops_per_s": 1.36e13, "shape": "f32[128,576]", "source": "dot_general"}]
   assert profile.above_peak(rows, 2e13) == []
+
+
+def test_a_loops_own_event_is_not_counted_again_beside_the_ops_of_its_body():
+  # A loop's event spans (part of) its body's ops, which are timed themselves: counting it too made `other_s`
+  # larger than the time any op ran.
+  rows = [{"op": "ynn_fusion.6", "kind": "matmul", "seconds": 0.6, "flops": 1.2e11, "opcode": "fusion"},
+          {"op": "exp_fusion", "kind": "other", "seconds": 0.1, "flops": 0, "opcode": "fusion"},
+          {"op": "while.47", "kind": "other", "seconds": 0.5, "flops": 0, "opcode": "while"},
+          {"op": "call.3", "kind": "other", "seconds": 0.2, "flops": 0, "opcode": "call"}]
+  got = profile.summarise(rows, wall_s=0.75)
+  assert got["ops_s"] == pytest.approx(0.7) and got["other_s"] == pytest.approx(0.1)
+  assert got["matmul_s"] == pytest.approx(0.6) and got["matmul_share"] == pytest.approx(0.6 / 0.7)
