@@ -30,6 +30,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -240,6 +241,19 @@ def above_peak(rows: list[dict[str, Any]], peak_flops_per_s: float) -> list[dict
   slower than they are. Each as {op, flops_per_s, shape, source}."""
   return [{k: r[k] for k in ("op", "flops_per_s", "shape", "source")} for r in rows
           if r.get("flops_per_s") and r["flops_per_s"] > peak_flops_per_s]
+
+
+def mark_above_peak(rec: dict[str, Any], tag: str) -> None:
+  """A `profile/...` record with a peak (`peak_flops_per_s`) gets `ops_above_peak` from its folder's ops.json,
+  and stderr one line naming them when there are any."""
+  if not rec.get("peak_flops_per_s"):
+    return
+  with open(os.path.join(rec["dir"], "ops.json")) as f:
+    rec["ops_above_peak"] = above_peak(json.load(f)["ops"], rec["peak_flops_per_s"])
+  if rec["ops_above_peak"]:
+    print(f"bench profile {tag}: {len(rec['ops_above_peak'])} op(s) above the matmul peak, their work outside "
+          f"their trace events (the ops beside them look slower than they are): "
+          f"{', '.join(o['op'] for o in rec['ops_above_peak'][:5])}", file=sys.stderr, flush=True)
 
 
 def summarise(rows: list[dict[str, Any]], wall_s: float, overlap: dict[str, float] | None = None

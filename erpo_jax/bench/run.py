@@ -149,13 +149,7 @@ def profile_records(cfg: Config, *, warmup: int, tmp: str, device: dict[str, Any
         print(f"bench profile {tag}: {rec['wall_s']:.2f} s, matmul ops {rec['matmul_s']:.2f} s "
               f"at {rec['matmul_flops_per_s'] / 1e9 if rec['matmul_flops_per_s'] else 0:.1f} GFLOP/s, other ops "
               f"{rec['other_s']:.2f} s; every op: {table}", file=sys.stderr, flush=True)
-        if rec.get("peak_flops_per_s"):
-          with open(os.path.join(rec["dir"], "ops.json")) as f:
-            rec["ops_above_peak"] = bench_profile.above_peak(json.load(f)["ops"], rec["peak_flops_per_s"])
-          if rec["ops_above_peak"]:
-            print(f"bench profile {tag}: {len(rec['ops_above_peak'])} op(s) above the matmul peak, their work outside "
-                  f"their trace events (the ops beside them look slower than they are): "
-                  f"{', '.join(o['op'] for o in rec['ops_above_peak'][:5])}", file=sys.stderr, flush=True)
+        bench_profile.mark_above_peak(rec, tag)
       yield rec
 
 

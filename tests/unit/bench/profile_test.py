@@ -183,6 +183,19 @@ def test_ops_above_the_peak_are_named_as_ops_whose_work_ran_outside_their_events
   assert profile.above_peak(rows, 2e13) == []
 
 
+def test_a_profile_record_with_a_peak_gets_its_ops_above_it_and_one_line_says_so(tmp_path, capsys):
+  ops = [{"op": "ynn_fusion.3", "flops_per_s": 1.1e11, "shape": "f32[49152,576]", "source": "dot_general"},
+         {"op": "dot_general.13", "flops_per_s": 1.36e13, "shape": "f32[128,576]", "source": "dot_general"}]
+  (tmp_path / "ops.json").write_text(json.dumps({"totals": {}, "ops": ops}))
+  rec = {"dir": str(tmp_path), "peak_flops_per_s": 2.7e11}
+  profile.mark_above_peak(rec, "c/shared_prefix_on")
+  assert [o["op"] for o in rec["ops_above_peak"]] == ["dot_general.13"]
+  assert "1 op(s) above the matmul peak" in capsys.readouterr().err
+  unknown = {"dir": str(tmp_path)}  # no measured peak: nothing to compare with
+  profile.mark_above_peak(unknown, "c/shared_prefix_on")
+  assert "ops_above_peak" not in unknown
+
+
 def test_a_loops_own_event_is_not_counted_again_beside_the_ops_of_its_body():
   # A loop's event spans (part of) its body's ops, which are timed themselves: counting it too made `other_s`
   # larger than the time any op ran.
