@@ -236,16 +236,16 @@ def op_table(parsed, times: dict[str, tuple[float, int]], beside: dict[str, floa
 
 
 def above_peak(rows: list[dict[str, Any]], peak_flops_per_s: float) -> list[dict[str, Any]]:
-  """The op table's matmul ops whose FLOP/s exceed the peak: their work ran outside their own trace event (XLA's
-  CPU Eigen dots hand it to a thread pool), so the ops whose events ran meanwhile took up its time and look
-  slower than they are. Each as {op, flops_per_s, shape, source}."""
+  """The op table's matmul ops whose FLOP/s exceed the peak: their work ran outside their own trace event (as
+  XLA's CPU Eigen dots do), so the ops whose events ran meanwhile took up its time and look slower than they
+  are. Each as {op, flops_per_s, shape, source}."""
   return [{k: r[k] for k in ("op", "flops_per_s", "shape", "source")} for r in rows
           if r.get("flops_per_s") and r["flops_per_s"] > peak_flops_per_s]
 
 
 def mark_above_peak(rec: dict[str, Any], tag: str) -> None:
-  """A `profile/...` record with a peak (`peak_flops_per_s`) gets `ops_above_peak` from its folder's ops.json,
-  and stderr one line naming them when there are any."""
+  """Adds `ops_above_peak` (from the folder's ops.json) to a `profile/...` record that has a peak
+  (`peak_flops_per_s`); one line on stderr names them when there are any."""
   if not rec.get("peak_flops_per_s"):
     return
   with open(os.path.join(rec["dir"], "ops.json")) as f:
