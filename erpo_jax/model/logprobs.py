@@ -83,7 +83,8 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
               response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int | str = "auto",
-              layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None):
+              layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None,
+              prompt_grads: bool = True):
   """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 
   prompt_len_N is needed unless temperature is 1 (then every position is
@@ -97,6 +98,11 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
   starts, so a sequence's log-probs are those it has in a row of its own. The
   column where a segment starts is scored from the previous segment's last
   position: it means nothing (a first token has no log-prob) and callers skip it.
+
+  prompt_grads=False (shared-prefix and packed layouts): the prompt positions'
+  values are the same but carry no gradient, and the backward skips their
+  lm-head work; for losses that read only response positions (GRPO's). The
+  plain layout interleaves prompts and responses in each row and ignores it.
   """
   if prompt_len_N is None and temperature != 1.0:
     raise ValueError("log_probs at a temperature other than 1 needs prompt_len_N: prompts are scored at 1")
@@ -107,22 +113,23 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
                            with_entropy=with_entropy, segments_NxS=segments_NxS)
   elif layout.capacity:
     logp, entropy = _packed(model, tokens_NxS, prompt_len_N, response_len_N, layout, temperature=temperature,
-                            chunk=chunk, with_entropy=with_entropy)
+                            chunk=chunk, with_entropy=with_entropy, prompt_grads=prompt_grads)
   else:
     logp, entropy = shared_prefix.shared_prefix_log_probs(
         model, tokens_NxS, prompt_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
-        response_bucket=layout.response_bucket, chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+        response_bucket=layout.response_bucket, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
+        prompt_grads=prompt_grads)
   return (logp, entropy) if with_entropy else logp
 
 
 def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
-            layout: Layout, *, temperature: float, chunk: int | str, with_entropy: bool):
+            layout: Layout, *, temperature: float, chunk: int | str, with_entropy: bool, prompt_grads: bool = True):
   """The packed layout on `layout.streams` streams: rows [N, ...] -> [streams, N/streams, ...], one packed
   stream of `layout.capacity` slots each (vmapped; on a batch-sharded mesh each shard packs its own rows)."""
   one = lambda tokens, prompt_len, response_len: shared_prefix.packed_log_probs(
       model, tokens, prompt_len, response_len, layout.group_size, prompt_bucket=layout.prompt_bucket,
       response_bucket=layout.response_bucket, capacity=layout.capacity, chunk=chunk, temperature=temperature,
-      with_entropy=with_entropy)
+      with_entropy=with_entropy, prompt_grads=prompt_grads)
   if layout.streams == 1:
     return one(tokens_NxS, prompt_len_N, response_len_N)
   N, S = tokens_NxS.shape

@@ -88,6 +88,10 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   # Packed responses: one stream per batch shard (each packs its own rows), response_capacity slots each.
   streams = lambda N: logprobs.packed_streams(N // G, mesh_lib.num_batch_shards(mesh))
 
+  # The loss reads prompt positions' log-probs only through a prompt KL penalty; otherwise (GRPO) their
+  # lm-head backward is skipped (`logprobs.log_probs(prompt_grads=False)`).
+  prompt_grads = e.kl_on in ("prompt", "all")
+
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     N, S = tokens.shape
     layout = logprobs.choose_layout(
@@ -96,7 +100,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
         shared=cfg.model.shared_prefix)
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
                               response_len_N=response_mask.sum(axis=1), temperature=temperature,
-                              chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy)
+                              chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy,
+                              prompt_grads=prompt_grads)
 
   def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
            response_capacity: int | None = None):

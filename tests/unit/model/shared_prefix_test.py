@@ -3,6 +3,7 @@
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -247,3 +248,74 @@ def test_shared_layout_needs_fewer_flops():
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
   assert flops(True) < 0.75 * flops(False)
+
+
+def _response_loss(state, graph, layout, prompt_grads, tokens, prompt_len, pm, rm, old, adv, w, kl_on):
+  """ERPO loss with a penalty that reads no prompt position (kl_on response or none), entropy bonus on."""
+  model = nnx.merge(graph, state)
+  logp, ent = logprobs.log_probs(model, tokens, prompt_len_N=prompt_len, response_len_N=rm.sum(axis=1), chunk=16,
+                                 temperature=0.8, layout=layout, with_entropy=True, prompt_grads=prompt_grads)
+  loss, _ = losses.erpo_loss(logp, old, logp, pm, rm, adv, w, alpha=0.5, kl_on=kl_on, entropy_NxS=ent,
+                             entropy_coef=0.1)
+  return loss + 0.3 * jnp.sum(jnp.where(rm, logp, 0.0)), logp
+
+
+_response_value_and_grad = jax.jit(jax.value_and_grad(_response_loss, has_aux=True), static_argnums=(1, 2, 3, 11))
+
+LAYOUTS = {"shared": logprobs.Layout(G, P, R), "packed": logprobs.Layout(G, P, R, capacity=PACKED_CAPACITY)}
+
+
+@pytest.mark.parametrize("layout, kl_on", [("shared", "response"), ("packed", "none")])
+def test_a_loss_of_response_positions_has_the_same_value_and_gradients_without_prompt_grads(layout, kl_on):
+  tokens, prompt_len, pm, rm = make_rows(seed=5)
+  graph, state = nnx.split(tiny_model(LLAMA, seed=7, remat="dots"))
+  rng = np.random.default_rng(1)
+  mask = scored(pm, rm)
+  logp0 = np.asarray(logprobs.log_probs(nnx.merge(graph, state), tokens, chunk=16))
+  old = np.where(mask, logp0 + rng.normal(0, 0.1, logp0.shape), 0).astype(np.float32)
+  args = (tokens, prompt_len, pm, rm, old, rng.normal(size=B * G).astype(np.float32),
+          rng.uniform(0.5, 2.0, B * G).astype(np.float32), kl_on)
+  (loss_a, logp_a), grads_a = _response_value_and_grad(state, graph, LAYOUTS[layout], True, *args)
+  (loss_b, logp_b), grads_b = _response_value_and_grad(state, graph, LAYOUTS[layout], False, *args)
+  assert_close(logp_a, logp_b, mask, "log-probs")  # prompt positions included: the values do not change
+  assert np.all(np.asarray(logp_b) < -1, where=mask)
+  assert_close(loss_a, loss_b, name="loss")
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_a), jax.tree.leaves(grads_b)):
+    assert float(jnp.abs(a).max()) > 1e-3, jax.tree_util.keystr(path)
+    assert_close(a, b, name=jax.tree_util.keystr(path))
+
+
+def _lm_head_backward_chunks(jaxpr, V, D) -> list[int]:
+  """Lengths of the scans in a jaxpr (nested ones included) that carry a float32 [V, D] sum: the lm-head's
+  backward chunk loops (lm_head._chunked_bwd)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      carries = eqn.params["jaxpr"].in_avals[eqn.params["num_consts"]:][:eqn.params["num_carry"]]
+      if any(a.shape == (V, D) and a.dtype == jnp.float32 for a in carries):
+        found.append(eqn.params["length"])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _lm_head_backward_chunks(sub, V, D)
+  return found
+
+
+def test_without_prompt_grads_prompt_positions_get_no_gradient_and_the_backward_runs_only_response_chunks():
+  tokens, prompt_len, pm, rm = make_rows(seed=5)
+  graph, state = nnx.split(tiny_model(LLAMA, seed=7))
+  layout = logprobs.Layout(G, P, R)
+
+  def prompt_sum(state, prompt_grads):
+    logp = logprobs.log_probs(nnx.merge(graph, state), tokens, prompt_len_N=prompt_len, chunk=16, layout=layout,
+                              prompt_grads=prompt_grads)
+    return jnp.sum(jnp.where(pm, logp, 0.0)) + 0.0 * jnp.sum(jnp.where(rm, logp, 0.0))
+
+  with_grads = jax.grad(prompt_sum)(state, True)
+  without = jax.grad(prompt_sum)(state, False)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(with_grads)) > 1e-2
+  assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(without))
+  # B (P - 1) = 27 prompt and N R = 144 response positions, 16 per chunk: 11 chunks together, 9 of responses.
+  D = LLAMA.hidden_size
+  chunks = lambda prompt_grads: _lm_head_backward_chunks(
+      jax.make_jaxpr(jax.grad(functools.partial(prompt_sum, prompt_grads=prompt_grads)))(state).jaxpr, V, D)
+  assert chunks(True) == [11]
+  assert chunks(False) == [9]
