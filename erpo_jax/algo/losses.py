@@ -66,6 +66,12 @@ def kl_mask(prompt_mask_NxS: jax.Array, response_mask_NxS: jax.Array, kl_on: KLO
   return masks[kl_on]
 
 
+def penalises_prompt(kl_on: KLOn) -> bool:
+  """Whether the penalty `kl_mask` selects covers prompt tokens: the one way the loss reads prompt positions
+  (the step skips their lm-head backward otherwise)."""
+  return kl_on in ("prompt", "all")
+
+
 class Denominators(NamedTuple):
   """Counts of the whole update batch; erpo_loss divides each minibatch's sums by them.
 

@@ -88,9 +88,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   # Packed responses: one stream per batch shard (each packs its own rows), response_capacity slots each.
   streams = lambda N: logprobs.packed_streams(N // G, mesh_lib.num_batch_shards(mesh))
 
-  # The loss reads prompt positions' log-probs only through a prompt KL penalty; otherwise (GRPO) their
-  # lm-head backward is skipped (`logprobs.log_probs(prompt_grads=False)`).
-  prompt_grads = e.kl_on in ("prompt", "all")
+  # Without a prompt penalty (GRPO) the loss reads no prompt position: their lm-head backward is skipped.
+  prompt_grads = losses.penalises_prompt(e.kl_on)
 
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
     N, S = tokens.shape

@@ -270,3 +270,12 @@ def test_erpo_loss_under_jit_matches_eager():
   assert jitted[1].keys() == eager[1].keys()
   for key in eager[1]:
     np.testing.assert_allclose(jitted[1][key], eager[1][key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("kl_on", ["prompt", "response", "all", "none"])
+def test_penalises_prompt_says_whether_the_kl_mask_covers_a_prompt_token(kl_on):
+  prompt_NxS = np.array([[True, True, True, False, False]])
+  response_NxS = np.array([[False, False, False, True, True]])
+  covered = np.asarray(losses.kl_mask(prompt_NxS, response_NxS, kl_on))
+  assert losses.penalises_prompt(kl_on) == bool((covered & prompt_NxS).any())
+  assert covered.any() == (kl_on != "none")  # the masks are real: a penalty covers some token
