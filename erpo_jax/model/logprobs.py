@@ -84,7 +84,7 @@ def choose_layout(N: int, S: int, *, group_size: int, prompt_bucket: int, respon
 def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Array | None = None,
               response_len_N: jax.Array | None = None, temperature: float = 1.0, chunk: int | str = "auto",
               layout: Layout = PLAIN, with_entropy: bool = False, segments_NxS: jax.Array | None = None,
-              prompt_grads: bool = True):
+              prompt_grads: bool = True, prompt_positions: bool = True):
   """Next-token log-probs [N, S] float32: at temperature 1 before prompt_len_N, at `temperature` after.
 
   prompt_len_N is needed unless temperature is 1 (then every position is
@@ -103,6 +103,8 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
   values are the same but carry no gradient, and the backward skips their
   lm-head work; for losses that read only response positions (GRPO's). The
   plain layout interleaves prompts and responses in each row and ignores it.
+  prompt_positions=False (the same layouts): the prompt positions are 0 and their lm-head does not run, for
+  callers that take them from elsewhere (the cached reference prompt log-probs); the plain layout computes them.
   """
   if prompt_len_N is None and temperature != 1.0:
     raise ValueError("log_probs at a temperature other than 1 needs prompt_len_N: prompts are scored at 1")
@@ -113,23 +115,25 @@ def log_probs(model: Transformer, tokens_NxS: jax.Array, *, prompt_len_N: jax.Ar
                            with_entropy=with_entropy, segments_NxS=segments_NxS)
   elif layout.capacity:
     logp, entropy = _packed(model, tokens_NxS, prompt_len_N, response_len_N, layout, temperature=temperature,
-                            chunk=chunk, with_entropy=with_entropy, prompt_grads=prompt_grads)
+                            chunk=chunk, with_entropy=with_entropy, prompt_grads=prompt_grads,
+                            prompt_positions=prompt_positions)
   else:
     logp, entropy = shared_prefix.shared_prefix_log_probs(
         model, tokens_NxS, prompt_len_N, layout.group_size, prompt_bucket=layout.prompt_bucket,
         response_bucket=layout.response_bucket, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
-        prompt_grads=prompt_grads)
+        prompt_grads=prompt_grads, prompt_positions=prompt_positions)
   return (logp, entropy) if with_entropy else logp
 
 
 def _packed(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
-            layout: Layout, *, temperature: float, chunk: int | str, with_entropy: bool, prompt_grads: bool = True):
+            layout: Layout, *, temperature: float, chunk: int | str, with_entropy: bool, prompt_grads: bool = True,
+            prompt_positions: bool = True):
   """The packed layout on `layout.streams` streams: rows [N, ...] -> [streams, N/streams, ...], one packed
   stream of `layout.capacity` slots each (vmapped; on a batch-sharded mesh each shard packs its own rows)."""
   one = lambda tokens, prompt_len, response_len: shared_prefix.packed_log_probs(
       model, tokens, prompt_len, response_len, layout.group_size, prompt_bucket=layout.prompt_bucket,
       response_bucket=layout.response_bucket, capacity=layout.capacity, chunk=chunk, temperature=temperature,
-      with_entropy=with_entropy, prompt_grads=prompt_grads)
+      with_entropy=with_entropy, prompt_grads=prompt_grads, prompt_positions=prompt_positions)
   if layout.streams == 1:
     return one(tokens_NxS, prompt_len_N, response_len_N)
   N, S = tokens_NxS.shape

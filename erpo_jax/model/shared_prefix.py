@@ -93,7 +93,8 @@ def group_layout(model: Transformer, tokens_NxS, prompt_len_N, G: int, prompt_bu
 
 def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, group_size: int,
                             *, prompt_bucket: int, response_bucket: int, chunk: int | str = "auto",
-                            temperature: float = 1.0, with_entropy: bool = False, prompt_grads: bool = True):
+                            temperature: float = 1.0, with_entropy: bool = False, prompt_grads: bool = True,
+                            prompt_positions: bool = True):
   """`logprobs.log_probs` of group-contiguous rows sharing their prompt, the prompt run once per group.
 
   out[n, t] = log P(x_t | x_<t) for 1 <= t < len_n + R (len_n = prompt_len_N[n]);
@@ -105,8 +106,8 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   scored at temperature 1, response positions at `temperature` (the rule of
   model.logprobs). Returns [N, S] float32 log-probs, and the entropy in the
   same layout with `with_entropy` (else None). prompt_grads=False: the prompt
-  positions' values carry no gradient and their lm-head backward is not run
-  (`_head_log_probs`).
+  positions' values carry no gradient and their lm-head backward is not run;
+  prompt_positions=False: they are 0 and their lm-head does not run at all (`_head_log_probs`).
   """
   N, S = tokens_NxS.shape
   G = group_size
@@ -119,31 +120,33 @@ def shared_prefix_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_le
   h_in_NxRxD = jnp.concatenate([h_last_NxD[:, None], hr[:, :-1]], axis=1)
   logp_M, ent_M = _head_log_probs(model, hp[:, :-1].reshape(-1, D), tokens_BxP[:, 1:].reshape(-1),
                                   h_in_NxRxD.reshape(-1, D), tokens_NxR.reshape(-1), chunk=chunk,
-                                  temperature=temperature, with_entropy=with_entropy, prompt_grads=prompt_grads)
+                                  temperature=temperature, with_entropy=with_entropy, prompt_grads=prompt_grads,
+                                  prompt_positions=prompt_positions)
   logp = _to_rows(logp_M, len_N, B, G, P, R, S)
   return logp, (_to_rows(ent_M, len_N, B, G, P, R, S) if with_entropy else None)
 
 
 def _head_log_probs(model: Transformer, h_prompt_MpxD: jax.Array, targets_prompt_Mp: jax.Array,
                     h_response_MrxD: jax.Array, targets_response_Mr: jax.Array, *, chunk: int | str,
-                    temperature: float, with_entropy: bool, prompt_grads: bool):
+                    temperature: float, with_entropy: bool, prompt_grads: bool, prompt_positions: bool = True):
   """The lm-head's log-probs (and entropy) of the [prompt | response] stream [Mp + Mr]: prompt positions at
   temperature 1, responses at `temperature`.
 
   prompt_grads=False: the prompt positions' values carry no gradient (a loss that reads only response
   positions, as GRPO's does), so they run as a chunk loop of their own outside the differentiation and the
   backward recomputes and differentiates only the response chunks. The values are the same either way.
+  prompt_positions=False: their values are 0 and no lm-head work is done for them.
   """
   w_VxD = model.unembed_rows(param_dtype=True)
   Mp, Mr = h_prompt_MpxD.shape[0], h_response_MrxD.shape[0]
-  if prompt_grads:
+  if prompt_grads and prompt_positions:
     temperature_M = jnp.concatenate([jnp.ones((Mp,), jnp.float32), jnp.full((Mr,), temperature, jnp.float32)])
     return token_log_probs(jnp.concatenate([h_prompt_MpxD, h_response_MrxD]), w_VxD,
                            jnp.concatenate([targets_prompt_Mp, targets_response_Mr]), chunk=chunk,
                            temperature=temperature_M, with_entropy=with_entropy)
   sg = jax.lax.stop_gradient
-  logp_p, ent_p = token_log_probs(sg(h_prompt_MpxD), sg(w_VxD), targets_prompt_Mp, chunk=chunk,
-                                  with_entropy=with_entropy)
+  logp_p, ent_p = (token_log_probs(sg(h_prompt_MpxD), sg(w_VxD), targets_prompt_Mp, chunk=chunk,
+                                   with_entropy=with_entropy) if prompt_positions else (jnp.zeros((Mp,)),) * 2)
   logp_r, ent_r = token_log_probs(h_response_MrxD, w_VxD, targets_response_Mr, chunk=chunk,
                                   temperature=temperature, with_entropy=with_entropy)
   return jnp.concatenate([logp_p, logp_r]), (jnp.concatenate([ent_p, ent_r]) if with_entropy else None)
@@ -238,7 +241,7 @@ def packed_hidden(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.A
 def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: jax.Array, response_len_N: jax.Array,
                      group_size: int, *, prompt_bucket: int, response_bucket: int, capacity: int,
                      chunk: int | str = "auto", temperature: float = 1.0, with_entropy: bool = False,
-                     prompt_grads: bool = True):
+                     prompt_grads: bool = True, prompt_positions: bool = True):
   """`shared_prefix_log_probs` on packed responses: the same values at prompt positions and at the
   response tokens (t < len_n + response_len_n), 0 after them. Needs sum(response_len) <= capacity."""
   N, S = tokens_NxS.shape
@@ -258,7 +261,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   split = B * (P - 1)
   logp_M, ent_M = _head_log_probs(model, hp[:, :-1].reshape(-1, D), tokens_BxP[:, 1:].reshape(-1), h_in_CxD,
                                   tokens_C, chunk=chunk, temperature=temperature, with_entropy=with_entropy,
-                                  prompt_grads=prompt_grads)
+                                  prompt_grads=prompt_grads, prompt_positions=prompt_positions)
 
   def to_layout(values_M):
     response_K = take_rows(values_M[split:, None], idx_K, inv_C)[:, 0]

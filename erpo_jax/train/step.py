@@ -91,7 +91,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   # Without a prompt penalty (GRPO) the loss reads no prompt position: their lm-head backward is skipped.
   prompt_grads = losses.penalises_prompt(e.kl_on)
 
-  def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity):
+  def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity,
+              prompt_positions=True):
     N, S = tokens.shape
     layout = logprobs.choose_layout(
         N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens or S,
@@ -100,7 +101,7 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
                               response_len_N=response_mask.sum(axis=1), temperature=temperature,
                               chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy,
-                              prompt_grads=prompt_grads)
+                              prompt_grads=prompt_grads, prompt_positions=prompt_positions)
 
   def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
            response_capacity: int | None = None):
@@ -108,19 +109,20 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     M, K = p.minibatches, p.microbatches
     # Packing is over the whole batch: minibatches and microbatches run unpacked.
     capacity = response_capacity if M * K == 1 else None
-    whole_batch_logp = lambda params: jax.lax.stop_gradient(
-        logp_of(params, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity))
+    whole_batch_logp = lambda params, prompt_positions=True: jax.lax.stop_gradient(logp_of(
+        params, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity, prompt_positions))
     # Advantages and weights are constants of the whole update batch, computed from every row.
     adv_N = advantages.group_advantages(batch.rewards, G, estimator=p.advantage, eps=p.advantage_eps,
                                         scale=p.advantage_scale)
     ref_logp = whole_batch_logp(ref_params) if e.reference == "forward" else batch.ref_logp
     # Cached reference with reference params: their forward gives the responses' reference log-probs, for
     # kl/policy only; the prompts keep the cached ones, so kl/query and the loss are those of the cached step.
-    # The forward runs on the steps whose batch.policy_kl is set: one program for every step.
+    # The forward runs on the steps whose batch.policy_kl is set: one program for every step. It skips the
+    # prompt positions' lm-head (their values would be replaced by the cached ones).
     policy_kl_only = e.reference == "cached" and ref_params is not None
     if policy_kl_only:
       metric_ref_logp = jax.lax.cond(
-          batch.policy_kl, lambda: jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params)),
+          batch.policy_kl, lambda: jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params, False)),
           lambda: batch.ref_logp)
     if old_pass:
       old_logp = whole_batch_logp(params)

@@ -319,3 +319,42 @@ def test_without_prompt_grads_prompt_positions_get_no_gradient_and_the_backward_
       jax.make_jaxpr(jax.grad(functools.partial(prompt_sum, prompt_grads=prompt_grads)))(state).jaxpr, V, D)
   assert chunks(True) == [11]
   assert chunks(False) == [9]
+
+
+def _lm_head_forward_chunks(jaxpr, V, D) -> list[int]:
+  """Lengths of the loops in a jaxpr (nested ones included) that map a [V, D] unembedding over token chunks
+  with no carry: the lm-head's forward chunk loops (lm_head._forward)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan" and eqn.params["num_carry"] == 0:
+      consts = eqn.params["jaxpr"].in_avals[:eqn.params["num_consts"]]
+      if any(a.shape == (V, D) for a in consts):
+        found.append(eqn.params["length"])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _lm_head_forward_chunks(sub, V, D)
+  return found
+
+
+@pytest.mark.parametrize("layout", ["shared", "packed"])
+def test_without_prompt_positions_responses_keep_their_values_prompts_are_zero_and_only_their_chunks_run(layout):
+  tokens, prompt_len, pm, rm = make_rows(seed=5)
+  model = tiny_model(QWEN2, seed=2)
+  response_len = jnp.asarray(rm.sum(axis=1))
+
+  def run(prompt_positions):
+    return logprobs.log_probs(model, tokens, prompt_len_N=prompt_len, response_len_N=response_len, chunk=16,
+                              temperature=0.7, layout=LAYOUTS[layout], with_entropy=True,
+                              prompt_positions=prompt_positions)
+
+  (logp, ent), (logp_r, ent_r) = run(True), run(False)
+  assert np.all(np.asarray(logp_r) < -1, where=rm)
+  assert_close(logp_r, logp, rm, "response log-probs")
+  assert_close(ent_r, ent, rm, "response entropies")
+  assert np.all(np.asarray(logp_r)[pm] == 0.0) and np.all(np.asarray(ent_r)[pm] == 0.0)
+  assert np.all(np.asarray(logp)[pm & (np.arange(S)[None] >= 1)] < 0)
+  # B (P - 1) = 27 prompt positions and N R = 144 response slots (96 packed), 16 per chunk.
+  chunks = lambda prompt_positions: sum(_lm_head_forward_chunks(
+      jax.make_jaxpr(lambda: run(prompt_positions))().jaxpr, V, QWEN2.hidden_size))
+  response_slots = PACKED_CAPACITY if layout == "packed" else B * G * R
+  assert chunks(False) == -(-response_slots // 16)
+  assert chunks(True) == -(-(B * (P - 1) + response_slots) // 16)

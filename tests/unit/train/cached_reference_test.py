@@ -11,6 +11,7 @@ from flax import nnx
 import step_test as st
 from temperature_rule_test import build_at_step_0, cached_batch
 from erpo_jax.algo import kl
+from erpo_jax.model import logprobs
 
 
 def no_signal_step(*overrides):
@@ -115,4 +116,31 @@ def test_one_compiled_cached_step_runs_the_reference_forward_only_on_the_steps_t
   for key in ("loss/total", "loss/kl", "kl/query", "optim/grad_norm"):
     assert float(skipped[key]) == pytest.approx(float(plain[key]), rel=1e-6, abs=1e-9), key
   for a, b in zip(jax.tree.leaves(p_skip), jax.tree.leaves(p_plain)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("capacity", [None, 80], ids=["shared-prefix", "packed"])
+def test_in_the_shared_prefix_layouts_the_policy_kl_forward_skips_prompt_positions_and_logs_the_same_value(capacity):
+  """The cached step's reference forward leaves out the prompt positions' lm-head (the cache has their values):
+  kl/policy is still the forward step's, and the loss and the update the cached step's without the forward."""
+  batch = st.make_batch()
+  N, S = batch.tokens.shape
+  prompt_bucket, max_new = 8, 15
+  assert logprobs.choose_layout(N, S, group_size=st.G, prompt_bucket=prompt_bucket, response_bucket=max_new,
+                                capacity=capacity) != logprobs.PLAIN
+  common = ("erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5", f"rollout.max_new_tokens={max_new}")
+  fwd_step, _, params, ref, opt = st.build(st.tiny_cfg("erpo.reference=forward", *common))
+  _, _, fwd = fwd_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), ref, batch, prompt_bucket,
+                       capacity)
+  cfg = st.tiny_cfg("erpo.reference=cached", *common)
+  plain_step, _, params, ref, opt = st.build(cfg)
+  kl_step = st.build(cfg, with_reference=True)[0]
+  p_plain, _, plain = plain_step(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt), None, batch,
+                                 prompt_bucket, capacity)
+  p_kl, _, with_kl = kl_step(params, opt, ref, batch, prompt_bucket, capacity)
+  assert float(with_kl["kl/policy"]) > 1e-3
+  assert float(with_kl["kl/policy"]) == pytest.approx(float(fwd["kl/policy"]), rel=1e-5)
+  for key in ("loss/total", "loss/kl", "kl/query", "optim/grad_norm"):
+    assert float(with_kl[key]) == pytest.approx(float(plain[key]), rel=1e-6, abs=1e-9), key
+  for a, b in zip(jax.tree.leaves(p_kl), jax.tree.leaves(p_plain)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
