@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
   p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
   p.add_argument("--variants", type=step_variants, default="abcd",
-                 help="step: which update variants to time, letters of abcd (default: all four)")
+                 help="step: which update variants to time, letters of abcde (default: abcd)")
   p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
                  help="step: time each variant with model.shared_prefix on, off or both (default: both)")
   p.add_argument("--peak-flops", type=positive_float, default=None, metavar="FLOP/S",

@@ -27,8 +27,8 @@ def positive_float(text: str) -> float:
 
 def step_variants(text: str) -> str:
   letters = text.replace(",", "")
-  if not letters or any(c not in "abcd" for c in letters):
-    raise argparse.ArgumentTypeError(f"expected letters of abcd (e.g. c or a,c), got {text!r}")
+  if not letters or any(c not in "abcde" for c in letters):
+    raise argparse.ArgumentTypeError(f"expected letters of abcde (e.g. c or c,e), got {text!r}")
   return "".join(sorted(set(letters)))
 
 

@@ -1,9 +1,8 @@
 """`erpo-jax bench [step|rollout|rl|reference|all]`: one JSON line per measurement, each run in its own process.
 
-    erpo-jax bench step --config configs/bench_reference.yaml
+    erpo-jax bench step --config configs/bench_reference.yaml [--variants ce]
     erpo-jax bench rollout --config configs/bench_reference.yaml
-    erpo-jax bench rl --config configs/bench_reference.yaml --iters 6 --warmup 2
-    erpo-jax bench rl --config configs/bench_reference.yaml --against trl.json   # ratios over a peer
+    erpo-jax bench rl --config configs/bench_reference.yaml [--against trl.json]   # ratios over a peer
     erpo-jax bench reference --config configs/default.yaml   # the reference pass of erpo-jax weights
 
 Every run first measures the device itself (`device` line: float32 and
@@ -22,6 +21,7 @@ step: the update on the same N x S batch in four settings:
   (b) ERPO, cached reference prompt log-probs (kl_on=prompt, reference=cached, weights=static)
   (c) GRPO, k3 policy-KL on responses (kl_on=response, reference=forward, weights=none)
   (d) no KL (kl_on=none, weights=none, reference=cached: no reference forward)
+  (e) as (b), plus a reference forward for kl/policy in every step
 each with model.shared_prefix off and on when the step reads that field
 (--variants and --shared-prefix pick some of them).
 rollout: sampler prefill / decode tokens/s, and the uncached greedy loop.
@@ -50,7 +50,7 @@ from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 
 WHAT = ("step", "rollout", "rl", "reference", "all")
-# (iters, warmup) when not given; rl follows the issue's protocol (median of 6 after 2).
+# (iters, warmup) when not given; rl: the median of 6 steps after 2.
 DEFAULT_ITERS = {"step": (3, 1), "rollout": (3, 1), "rl": (6, 2), "reference": (3, 1)}
 # variant -> (label, erpo settings)
 STEP_VARIANTS = {
@@ -58,12 +58,15 @@ STEP_VARIANTS = {
     "b": ("erpo_reference_cached", {"kl_on": "prompt", "reference": "cached", "weights": "static"}),
     "c": ("grpo_policy_kl", {"kl_on": "response", "reference": "forward", "weights": "none"}),
     "d": ("no_kl", {"kl_on": "none", "reference": "cached", "weights": "none"}),
+    "e": ("erpo_cached_policy_kl", {"kl_on": "prompt", "reference": "cached", "weights": "static"}),
 }
 
 
 def step_variant(cfg: Config, variant: str, shared_prefix: bool | None) -> Config:
   """cfg with the erpo settings of `variant` (and model.shared_prefix when not None)."""
   cfg = dataclasses.replace(cfg, erpo=dataclasses.replace(cfg.erpo, **STEP_VARIANTS[variant][1]))
+  if cfg.erpo.reference == "cached":  # the reference forward for kl/policy: in (e) only
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, policy_kl_every=int(variant == "e")))
   if shared_prefix is not None:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, shared_prefix=shared_prefix))
   return cfg
@@ -161,7 +164,7 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
   for sp in sorted({k[1] for k in steps}, key=str):
     suffix = "" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}"
     c = steps.get(("c", sp))
-    for v in ("a", "b", "d"):
+    for v in "abde":
       if c and (v, sp) in steps:
         out[f"step_{v}_over_c{suffix}"] = steps[(v, sp)]["time_s"] / c["time_s"]
   for v in STEP_VARIANTS:

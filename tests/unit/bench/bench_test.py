@@ -110,12 +110,33 @@ def test_variant_configs_survive_the_yaml_round_trip_to_a_worker(tmp_path):
   assert bench_run.step_variant(cfg, "c", False).model.shared_prefix is False
 
 
+def test_variant_e_is_b_with_the_policy_kl_reference_forward_in_every_step_and_only_e_takes_the_reference():
+  cfg = load_config(TINY, ["log.policy_kl_every=5"])
+  variants = {v: bench_run.step_variant(cfg, v, None) for v in bench_run.STEP_VARIANTS}
+  assert variants["e"].erpo == variants["b"].erpo and variants["e"].log.policy_kl_every == 1
+  assert variants["b"].log.policy_kl_every == variants["d"].log.policy_kl_every == 0
+  assert {v for v, c in variants.items() if bench_step.takes_reference(c)} == {"a", "c", "e"}
+  # Built and run as the bench does: only (e) of the cached variants logs the Policy-KL, from its own forward.
+  model = llama.init_random(llama.model_config_from_random_init(cfg.model.random_init), seed=0)
+  prompts = [np.random.default_rng(b).integers(1, 64, 6).tolist() for b in range(cfg.data.batch_size)]
+  inp = bench_step.prepare_inputs(cfg, model, prompts, vocab=64, pad_id=0)
+  inp.ref_params = jax.tree.map(lambda x: x * 1.01, inp.ref_params)  # a reference the policy is not
+  built = {v: bench_step.build_variant(inp, variants[v]) for v in "be"}
+  metrics = {v: bench_step.run_once(inp, built[v])[1] for v in "be"}
+  assert "kl/policy" not in metrics["b"]
+  assert float(metrics["e"]["kl/policy"]) > 0
+  # Its work counts the reference forward: one forward pass more than (b)'s forward and backward (3).
+  assert bench_step._passes(built["e"]) == bench_step._passes(built["b"]) + 1 == 4
+
+
 def test_summary_divides_step_times_by_the_grpo_step():
   recs = [{"name": "step/a", "variant": "a", "time_s": 3.0}, {"name": "step/b", "variant": "b", "time_s": 1.0},
           {"name": "step/c", "variant": "c", "time_s": 2.0}, {"name": "step/d", "variant": "d", "time_s": 1.5},
+          {"name": "step/e", "variant": "e", "time_s": 2.1},
           {"name": "rl", "step_s": 9.06, "peak_rss_bytes": 5, "peak_children_rss_bytes": 7}]
   s = bench_run.summary(recs)
   assert s["step_a_over_c"] == 1.5 and s["step_b_over_c"] == 0.5 and s["step_d_over_c"] == 0.75
+  assert s["step_e_over_c"] == pytest.approx(1.05)
   assert s["rl_step_s"] == 9.06 and s["rl_peak_rss_bytes"] == 7
   assert not any("trl" in k or "peer" in k for k in s)  # no peer figures unless measured and given
   assert s["errors"] == 0
@@ -245,7 +266,8 @@ def test_cli_bench_variant_and_peak_options():
   args = cli.parse_args(["bench", "step", "--variants", "c,a", "--shared-prefix", "on", "--peak-flops", "9.89e14"])
   assert (args.variants, args.shared_prefix, args.peak_flops, args.peak_bandwidth) == ("ac", "on", 989e12, None)
   assert cli.parse_args(["bench"]).variants == "abcd"
-  for bad in (["--variants", "e"], ["--variants", ""], ["--peak-flops", "0"], ["--peak-bandwidth", "inf"]):
+  assert cli.parse_args(["bench", "step", "--variants", "e,c"]).variants == "ce"
+  for bad in (["--variants", "f"], ["--variants", ""], ["--peak-flops", "0"], ["--peak-bandwidth", "inf"]):
     with pytest.raises(SystemExit):
       cli.parse_args(["bench", "step", *bad])
 
