@@ -138,17 +138,11 @@ def prepare_inputs(cfg, model: nnx.Module, prompt_tokens: list[list[int]], *, vo
                     param_sh, opt_sh)
 
 
-def takes_reference(cfg) -> bool:
-  """The update gets reference params: for its reference forward, or (cached reference) for kl/policy, which
-  the synthetic batch asks for in every step."""
-  return cfg.erpo.reference == "forward" or cfg.log.policy_kl_every > 0
-
-
 def build_variant(inp: StepInputs, cfg) -> StepVariant:
   """The jitted update of cfg's erpo/ppo/model settings over inp's state; compiled at once."""
   step_fn = train_step.build_train_step(inp.graphdef, inp.tx, inp.schedule, cfg, mesh=inp.mesh,
                                         param_shardings=inp.param_sh, opt_shardings=inp.opt_sh,
-                                        ref_shardings=inp.param_sh if takes_reference(cfg) else None)
+                                        ref_shardings=inp.param_sh if train_step.takes_reference(cfg) else None)
   v = StepVariant(cfg, step_fn)
   t0 = time.perf_counter()
   v.compiled = step_fn.lower(inp.params, inp.opt_state, ref_for(inp, v), inp.batch,
@@ -158,7 +152,7 @@ def build_variant(inp: StepInputs, cfg) -> StepVariant:
 
 
 def ref_for(inp: StepInputs, v: StepVariant):
-  return inp.ref_params if takes_reference(v.cfg) else None
+  return inp.ref_params if train_step.takes_reference(v.cfg) else None
 
 
 def compiled_memory(compiled) -> dict[str, int | None]:
@@ -207,7 +201,7 @@ def _progress(stage: str, v: StepVariant, seconds: float) -> None:
 
 def _passes(v: StepVariant) -> int:
   c = v.cfg
-  return bench_flops.update_passes(reference_forward=takes_reference(c),
+  return bench_flops.update_passes(reference_forward=train_step.takes_reference(c),
                                    old_pass=train_step.needs_old_pass(c.ppo, c.erpo.weights), epochs=c.ppo.epochs)
 
 
@@ -251,7 +245,7 @@ def measure_steps(cfgs: list, *, iters: int, warmup: int) -> dict[str, Any]:
   window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfgs[0])
   mc = model.cfg
-  need_ref = any(takes_reference(c) for c in cfgs)
+  need_ref = any(train_step.takes_reference(c) for c in cfgs)
   inp = prepare_inputs(cfgs[0], model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        with_reference=need_ref)
   variants = [build_variant(inp, c) for c in cfgs]
@@ -270,7 +264,7 @@ def measure_step_memory(cfg) -> dict[str, Any]:
   window = bench_probe.host_window()
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                       with_reference=takes_reference(cfg))
+                       with_reference=train_step.takes_reference(cfg))
   v = build_variant(inp, cfg)
   first = bench_probe.timed(lambda: run_once(inp, v), iters=1, warmup=0)
   return {"first_call_s": first[0], "compile_s": v.compile_s, **compiled_memory(v.compiled),
@@ -283,7 +277,7 @@ def profile_step(cfg, out_dir: str, *, warmup: int) -> dict[str, Any]:
   [N, S] layout (the shared prefix and packing run fewer)."""
   model, tokenizer, prompts = bench_probe.load_model_and_prompts(cfg)
   inp = prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
-                       with_reference=takes_reference(cfg))
+                       with_reference=train_step.takes_reference(cfg))
   v = build_variant(inp, cfg)
   for _ in range(max(1, warmup)):
     jax.block_until_ready(run_once(inp, v))

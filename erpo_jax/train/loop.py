@@ -133,7 +133,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   # metric (cached: the step runs a reference forward on the steps that log it, every log.policy_kl_every).
   ref_params, ref_sh = None, None
   forward = cfg.erpo.reference == "forward"
-  if forward or cfg.log.policy_kl_every:
+  if train_step.takes_reference(cfg):
     dt = jnp.bfloat16 if cfg.erpo.reference_dtype == "bfloat16" else None
     ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=dt or x.dtype, copy=True), params)
     ref_sh = param_sh

@@ -50,6 +50,12 @@ class UpdateBatch:
   policy_kl: jax.Array  # [] bool, log kl/policy: with erpo.reference=cached, run the reference forward this step
 
 
+def takes_reference(cfg: Config) -> bool:
+  """The step gets the frozen reference's params: for its reference forward (erpo.reference=forward), or, with
+  the cached reference, for the Policy-KL metric's forward on the steps that log it (log.policy_kl_every)."""
+  return cfg.erpo.reference == "forward" or cfg.log.policy_kl_every > 0
+
+
 def needs_old_pass(ppo: PpoSection, weights: str = "none") -> bool:
   """A forward of the whole batch before the first update: several optimizer steps need the behaviour
   log-probs, and dynamic weights over microbatches need the whole batch's prompt NLLs."""

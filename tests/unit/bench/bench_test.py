@@ -21,6 +21,7 @@ from erpo_jax.model import llama
 from erpo_jax.model.io import loading
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler
+from erpo_jax.train import step as train_step
 
 ROOT = str(tiny_runs.REPO)
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -115,7 +116,7 @@ def test_variant_e_is_b_with_the_policy_kl_reference_forward_in_every_step_and_o
   variants = {v: bench_run.step_variant(cfg, v, None) for v in bench_run.STEP_VARIANTS}
   assert variants["e"].erpo == variants["b"].erpo and variants["e"].log.policy_kl_every == 1
   assert variants["b"].log.policy_kl_every == variants["d"].log.policy_kl_every == 0
-  assert {v for v, c in variants.items() if bench_step.takes_reference(c)} == {"a", "c", "e"}
+  assert {v for v, c in variants.items() if train_step.takes_reference(c)} == {"a", "c", "e"}
   # Built and run as the bench does: only (e) of the cached variants logs the Policy-KL, from its own forward.
   model = llama.init_random(llama.model_config_from_random_init(cfg.model.random_init), seed=0)
   prompts = [np.random.default_rng(b).integers(1, 64, 6).tolist() for b in range(cfg.data.batch_size)]
