@@ -59,6 +59,7 @@ class ModelSection:
   logits_chunk: int | Literal["auto"] = "auto"
   # Training forwards run each group's shared prompt once ([B, P] prompt rows, [N, R] response
   # rows attending to them) instead of G times; same log-probs and gradients as the plain layout.
+  # The reference pass runs the training prompts' common prefix (a chat template's) once per stream.
   shared_prefix: bool = True
   # With shared_prefix and one minibatch: responses packed end to end, no padding (one stream per batch shard).
   pack_responses: bool = True

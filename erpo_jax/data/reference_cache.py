@@ -20,22 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from tensorboardX import SummaryWriter
-from tqdm import tqdm
 
-from erpo_jax import buckets
 from erpo_jax.algo import weights
 from erpo_jax.data.pipeline import dataset_prompts
+from erpo_jax.data.reference_pass import compute_reference_logp
 from erpo_jax.errors import PathError, UserError, write_error
 from erpo_jax.metrics import TB_DIR
-from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import multihost
 
 CACHE_NAME = "reference_cache.npz"
-TOKENS_PER_BATCH = 4096  # tokens per forward call of the reference pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,122 +66,6 @@ def prompts_hash(prompt_tokens: list[list[int]]) -> str:
   for ids in prompt_tokens:
     h.update(np.asarray(ids, np.int32).tobytes() + b"|")
   return h.hexdigest()[:16]
-
-
-def pack_prompts(lengths: np.ndarray, row_len: int) -> list[list[int]]:
-  """Prompt indices laid end to end in rows of `row_len` tokens, best fit decreasing: each prompt, the
-  longest first, goes into the open row it leaves the least room in (a new row when none has room)."""
-  rows: list[list[int]] = []
-  open_rows: list[list[int]] = [[] for _ in range(row_len + 1)]  # open_rows[c]: the rows with c tokens free
-  count = np.zeros(row_len + 1, np.int64)
-  for q in np.argsort(-lengths, kind="stable"):
-    n = int(lengths[q])
-    fits = np.flatnonzero(count[n:])
-    if fits.size:
-      room = n + int(fits[0])
-      r = open_rows[room].pop()
-      count[room] -= 1
-    else:
-      room, r = row_len, len(rows)
-      rows.append([])
-    rows[r].append(int(q))
-    open_rows[room - n].append(r)
-    count[room - n] += 1
-  return rows
-
-
-def packed_row_length(max_prompt_len: int) -> int:
-  """Tokens per packed row of the reference pass: room for the longest prompt, at least 128."""
-  return max(128, buckets.fine_bucket(max_prompt_len))
-
-
-def rows_per_call(rows: int, row_len: int, tokens_per_batch: int, mesh=None) -> int:
-  """Packed rows per forward call, a multiple of the mesh's batch shards: as many calls as rows of about
-  tokens_per_batch tokens need, the rows spread evenly over them, so the last call is not mostly empty rows."""
-  shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  calls = -(-rows // max(1, tokens_per_batch // row_len))
-  return buckets.round_up(-(-rows // calls), shards)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedPass:
-  """How the reference pass lays out its prompts: `rows` of prompt indices, `row_len` tokens each, run
-  `rows_per_call` rows a forward call."""
-
-  row_len: int
-  rows: list[list[int]]
-  rows_per_call: int
-
-  @property
-  def calls(self) -> int:
-    return -(-len(self.rows) // self.rows_per_call)
-
-
-def plan_packing(lengths: np.ndarray, tokens_per_batch: int = TOKENS_PER_BATCH, mesh=None) -> PackedPass:
-  """The packed layout of prompts of these lengths (at least one): rows, their length and rows per call."""
-  row_len = packed_row_length(int(lengths.max()))
-  rows = pack_prompts(lengths, row_len)
-  return PackedPass(row_len, rows, rows_per_call(len(rows), row_len, tokens_per_batch, mesh))
-
-
-def compute_reference_logp(model, prompt_tokens: list[list[int]], *, tokens_per_batch: int = TOKENS_PER_BATCH,
-                           mesh=None, chunk: int | str = "auto", progress: bool = True
-                           ) -> tuple[np.ndarray, np.ndarray]:
-  """Reference per-token prompt log-probs [Q, Lmax] and prompt lengths [Q].
-
-  The prompts are packed end to end (`plan_packing`) into rows of
-  `packed_row_length(Lmax)` tokens, each prompt attending only to
-  itself from RoPE position 0 (`logprobs.log_probs` with segments), so the
-  forward computes no padding; every call runs the same [rows, row_len] shape
-  of about `tokens_per_batch` tokens, so it compiles once.
-  """
-  Q = len(prompt_tokens)
-  lengths = np.array([len(p) for p in prompt_tokens], np.int32)
-  Lmax = int(lengths.max()) if Q else 1
-  out = np.zeros((Q, Lmax), np.float32)
-  if Q == 0:
-    return out, lengths
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def fwd(state, tokens, segments):  # prompts: temperature 1
-    return logprobs.log_probs(nnx.merge(graphdef, state), tokens, chunk=chunk, segments_NxS=segments)
-
-  plan = plan_packing(lengths, tokens_per_batch, mesh)
-  rows, row_len, R = plan.rows, plan.row_len, plan.rows_per_call
-  bar = None
-  if progress and jax.process_index() == 0:
-    bar = tqdm(total=Q, desc="reference pass", unit="prompt")
-  for start in range(0, len(rows), R):
-    batch = rows[start:start + R]
-    tok = np.zeros((R, row_len), np.int32)
-    seg = np.full((R, row_len), -1, np.int32)  # -1: the free end of a row
-    places = []  # (prompt, row, offset)
-    for r, row in enumerate(batch):
-      offset = 0
-      for q in row:
-        n = int(lengths[q])
-        tok[r, offset:offset + n] = prompt_tokens[q]
-        seg[r, offset:offset + n] = q
-        places.append((q, r, offset))
-        offset += n
-    if mesh is not None:
-      sh = mesh_lib.batch_sharding(mesh, 2)
-      tok_dev, seg_dev = (jax.make_array_from_callback(x.shape, sh, lambda i, x=x: x[i]) for x in (tok, seg))
-    else:
-      tok_dev, seg_dev = jnp.asarray(tok), jnp.asarray(seg)
-    lp = fwd(state, tok_dev, seg_dev)
-    if jax.process_count() > 1:
-      lp = multihost_utils.process_allgather(lp, tiled=True)
-    lp = np.asarray(jax.device_get(lp))
-    for q, r, offset in places:
-      n = int(lengths[q])
-      out[q, 1:n] = lp[r, offset + 1:offset + n]
-    if bar is not None:
-      bar.update(len(places))
-  if bar is not None:
-    bar.close()
-  return out, lengths
 
 
 def build_cache(logp: np.ndarray, lengths: np.ndarray, lo: float, hi: float, keys: dict,
@@ -284,7 +164,7 @@ def ensure_reference_cache(cfg, model, tokenizer, *, mesh=None, rebuild: bool = 
     except CacheDamagedError as e:
       multihost.warn(f"{e}; recomputing it")
   logp, lengths = compute_reference_logp(model, prompt_tokens, mesh=mesh, chunk=cfg.model.logits_chunk,
-                                         progress=cfg.log.progress)
+                                         progress=cfg.log.progress, shared_prefix=cfg.model.shared_prefix)
   masks = [mask for _, mask in prompts] if cfg.erpo.query_span == "question" else None
   cache = build_cache(logp, lengths, *cfg.erpo.static_clip, keys=keys, question_masks=masks)
   if jax.process_index() == 0:

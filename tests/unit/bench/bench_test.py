@@ -308,14 +308,37 @@ def test_reference_record_counts_each_prompts_own_tokens_and_their_packing():
   assert (rec["prompts"], rec["prompt_tokens"], rec["prompt_len_max"]) == (40, sum(lengths), max(lengths))
   assert rec["useful_flops"] == pytest.approx(sum(n * mc.flops_per_token(n) for n in lengths))
   assert rec["flops_per_s"] == pytest.approx(rec["useful_flops"] / rec["time_s"])
-  from erpo_jax.data import reference_cache
-  R = reference_cache.rows_per_call(rec["rows"], 128, 512)
-  assert rec["row_len"] == 128 and rec["rows_per_call"] == R
+  from erpo_jax.data import reference_layout
+  R = reference_layout.rows_per_call(rec["rows"], 128, 512)
+  assert rec["layout"] == "packed" and rec["row_len"] == 128 and rec["rows_per_call"] == R
   assert rec["calls"] * R >= rec["rows"] > (rec["calls"] - 1) * R
   assert rec["rows"] * 128 >= sum(lengths) and rec["fill"] == pytest.approx(sum(lengths) / (rec["calls"] * R * 128))
   assert rec["first_call_s"] > 0 and len(rec["times_s"]) == 1
   # Like every timing, it carries the host's load and the hypervisor's share of the CPU while it ran.
   assert len(rec["load_avg_start"]) == len(rec["load_avg_end"]) == 3 and 0.0 <= rec["steal_share"] <= 1.0
+
+
+def test_reference_record_with_a_shared_template_counts_the_prefix_once_and_names_its_layout():
+  from erpo_jax.bench import flops as bench_flops
+  from erpo_jax.bench.reference import measure_reference
+  from erpo_jax.data.pipeline import dataset_prompts
+  from erpo_jax.model.io.loading import load_tokenizer
+  cfg = load_config(TINY, ["data.size=40", "data.chat_template=true", "data.max_prompt_tokens=64"])
+  rec = measure_reference(cfg, iters=1, warmup=0, tokens_per_batch=512)
+  lengths = [len(t) for t, _ in dataset_prompts(cfg, load_tokenizer(cfg.model))]
+  mc = llama.model_config_from_random_init(cfg.model.random_init)
+  plain = sum(n * mc.flops_per_token(n) for n in lengths)
+  assert rec["layout"] == "prefix" and rec["prefix_len"] == 24 and rec["streams"] == 1
+  assert rec["plain_flops"] == pytest.approx(plain)
+  assert rec["useful_flops"] == pytest.approx(plain - 39 * bench_flops.forward_flops(mc, 1, 24))
+  assert rec["flops_per_s"] == pytest.approx(rec["useful_flops"] / rec["time_s"])
+  assert rec["computed_tokens"] == rec["calls"] * (24 + rec["capacity"])
+  needed = rec["calls"] * 24 + sum(lengths) - 40 * 24
+  assert rec["fill"] == pytest.approx(needed / rec["computed_tokens"]) and 0.8 < rec["fill"] <= 1.0
+  assert rec["computed_tokens"] < 0.5 * sum(lengths)
+  off = measure_reference(load_config(TINY, ["data.size=40", "data.chat_template=true", "data.max_prompt_tokens=64",
+                                             "model.shared_prefix=false"]), iters=1, warmup=0, tokens_per_batch=512)
+  assert off["layout"] == "packed" and off["useful_flops"] == pytest.approx(plain)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from erpo_jax.config_io import load_config
-from erpo_jax.data import reference_cache
+from erpo_jax.data import reference_cache, reference_pass
 from erpo_jax.data.prompts import encode_prompt
 from erpo_jax.data.records import Record
 from erpo_jax.errors import UserError
@@ -65,7 +65,7 @@ def test_question_span_static_weights_differ_from_prompt_span_and_match_a_hand_c
   encoded = [encode_prompt(Record(id=str(i), prompt=q, answer="1", source="test"), smollm2_tokenizer, cfg.data)
              for i, q in enumerate(QUESTIONS)]
   tokens = [e.tokens for e in encoded]
-  logp, lengths = reference_cache.compute_reference_logp(model, tokens, chunk=64, progress=False)
+  logp, lengths = reference_pass.compute_reference_logp(model, tokens, chunk=64, progress=False)
   by_span = {}
   for span, masks in (("prompt", None), ("question", [e.question_mask for e in encoded])):
     by_span[span] = reference_cache.build_cache(logp, lengths, 0.0, 2.0, keys={}, question_masks=masks)

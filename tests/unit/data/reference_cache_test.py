@@ -14,6 +14,7 @@ import pytest
 from erpo_jax.config_io import load_config
 from erpo_jax import metrics
 from erpo_jax.data import reference_cache as static_weights
+from erpo_jax.data import reference_layout, reference_pass
 from erpo_jax.data.pipeline import dataset_prompts
 from erpo_jax.errors import PathError, UserError
 from erpo_jax.model import logprobs
@@ -148,13 +149,13 @@ def test_reference_pass_lengths_pad_less_than_an_eighth_of_their_power_of_two():
 def test_packed_prompts_fill_rows_with_every_prompt_once():
   rng = np.random.default_rng(0)
   lengths = rng.integers(36, 44, size=512).astype(np.int32)  # the embedded default's prompt lengths
-  rows = static_weights.pack_prompts(lengths, 128)
+  rows = reference_layout.pack_prompts(lengths, 128)
   placed = sorted(q for row in rows for q in row)
   assert placed == list(range(512))
   assert all(sum(lengths[q] for q in row) <= 128 for row in rows)
   # Padding each prompt to its length bucket (48) fills 83% of the tokens computed; the packed rows fill > 92%.
   assert lengths.sum() / (len(rows) * 128) > 0.92
-  assert static_weights.pack_prompts(np.array([128, 1, 127], np.int32), 128) == [[0], [2, 1]]
+  assert reference_layout.pack_prompts(np.array([128, 1, 127], np.int32), 128) == [[0], [2, 1]]
 
 
 def test_packed_reference_pass_equals_each_prompt_alone():
@@ -163,7 +164,7 @@ def test_packed_reference_pass_equals_each_prompt_alone():
   model, _ = load_model(cfg.model)
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, 49152, size=n).tolist() for n in (1, 2, 5, 17, 40, 43, 64, 90, 150, 3, 33, 120)]
-  logp, lengths = static_weights.compute_reference_logp(model, prompts, tokens_per_batch=320, chunk=64,
+  logp, lengths = reference_pass.compute_reference_logp(model, prompts, tokens_per_batch=320, chunk=64,
                                                         progress=False)
   assert logp.shape == (12, 150) and lengths.tolist() == [len(p) for p in prompts]
   # Each prompt in a row of its own, right-padded to 150 (a padded key is never before a valid query).
@@ -178,43 +179,52 @@ def test_packed_reference_pass_equals_each_prompt_alone():
 
 def test_packed_rows_spread_evenly_over_the_calls():
   # 167 rows of 128 tokens at about 4096 tokens a call: 6 calls of 28 rows (168), not 6 of 32 (192).
-  assert static_weights.rows_per_call(167, 128, 4096) == 28
-  assert static_weights.rows_per_call(5, 128, 4096) == 5
-  assert static_weights.rows_per_call(1, 4096, 1024) == 1  # a row longer than a batch: one row a call
+  assert reference_layout.rows_per_call(167, 128, 4096) == 28
+  assert reference_layout.rows_per_call(5, 128, 4096) == 5
+  assert reference_layout.rows_per_call(1, 4096, 1024) == 1  # a row longer than a batch: one row a call
 
   class Mesh:
     shape = {"data": 2, "fsdp": 2}
 
-  assert static_weights.rows_per_call(167, 128, 4096, Mesh()) == 28  # a multiple of the 4 batch shards
-  assert static_weights.rows_per_call(170, 128, 4096, Mesh()) == 32
+  assert reference_layout.rows_per_call(167, 128, 4096, Mesh()) == 28  # a multiple of the 4 batch shards
+  assert reference_layout.rows_per_call(170, 128, 4096, Mesh()) == 32
 
 
 SHARDED_PASS = """
 import numpy as np
 from erpo_jax.config_io import load_config
-from erpo_jax.data import reference_cache
+from erpo_jax.data import reference_layout, reference_pass
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.parallel import mesh as mesh_lib
 cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
 rng = np.random.default_rng(2)
-prompts = [rng.integers(1, 49152, size=n).tolist() for n in rng.integers(1, 60, size=37)]
+whole = [rng.integers(1, 49152, size=n).tolist() for n in rng.integers(1, 60, size=37)]
+prefix = rng.integers(1, 49152, size=20).tolist()
+templated = [prefix + rng.integers(1, 49152, size=n).tolist() for n in rng.integers(1, 40, size=37)]
 model, _ = load_model(cfg.model)
-alone, lengths = reference_cache.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64,
-                                                        progress=False)
 mesh = mesh_lib.make_mesh(cfg.mesh)
-mesh_lib.shard_model(model, mesh)
-sharded, _ = reference_cache.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64, mesh=mesh,
-                                                    progress=False)
-print(float(np.abs(sharded - alone).max()), float(np.abs(alone).sum()))
+for prompts in (whole, templated):
+  alone, lengths = reference_pass.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64,
+                                                         progress=False)
+  print(type(reference_layout.choose_plan(prompts, 512, mesh)).__name__)
+  mesh_lib.shard_model(model, mesh)
+  sharded, _ = reference_pass.compute_reference_logp(model, prompts, tokens_per_batch=512, chunk=64, mesh=mesh,
+                                                     progress=False)
+  model, _ = load_model(cfg.model)
+  print(float(np.abs(sharded - alone).max()), float(np.abs(alone).sum()))
 """
 
 
-def test_packed_reference_pass_on_a_data_fsdp_tensor_mesh_equals_one_device():
+def test_reference_pass_on_a_data_fsdp_tensor_mesh_equals_one_device_in_both_layouts():
   """8 fake CPU devices as (data 2, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start):
-  37 prompts in packed rows split over 4 batch shards give the one-device log-probs."""
+  37 prompts in packed rows, and 37 sharing a 20-token prefix in one prefix stream per batch shard, split over
+  4 batch shards give the one-device log-probs."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", SHARDED_PASS], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
   assert out.returncode == 0, out.stderr[-3000:]
-  diff, total = map(float, out.stdout.strip().splitlines()[-1].split())
-  assert total > 100.0 and diff < 1e-4
+  lines = out.stdout.strip().splitlines()[-4:]
+  assert [lines[0], lines[2]] == ["PackedPass", "PrefixPlan"]
+  for line in (lines[1], lines[3]):
+    diff, total = map(float, line.split())
+    assert total > 100.0 and diff < 1e-4

@@ -15,7 +15,7 @@ from flax import nnx
 
 import step_test as st
 from erpo_jax.algo import advantages, losses, weights
-from erpo_jax.data import reference_cache
+from erpo_jax.data import reference_cache, reference_pass
 from erpo_jax.model import llama, logprobs
 
 
@@ -34,7 +34,7 @@ def cached_batch(model, batch):
   prompt_len = np.asarray(batch.prompt_mask).sum(axis=1)
   tokens = np.asarray(batch.tokens)
   prompts = [tokens[n, :prompt_len[n]].tolist() for n in range(0, len(tokens), st.G)]
-  logp_QxL, lengths = reference_cache.compute_reference_logp(model, prompts, chunk=40, progress=False)
+  logp_QxL, lengths = reference_pass.compute_reference_logp(model, prompts, chunk=40, progress=False)
   cache = reference_cache.build_cache(logp_QxL, lengths, 0.0, 2.0, keys={})
   ref = np.zeros(tokens.shape, np.float32)
   for n in range(len(tokens)):
