@@ -107,3 +107,22 @@ def test_the_default_data_sets_prompts_share_their_template_and_score_alike_in_b
                                                    shared_prefix=False)
   np.testing.assert_allclose(shared, whole, rtol=2e-5, atol=2e-5)
   assert np.abs(whole).sum() > 100.0
+
+
+def test_static_weights_from_the_cache_are_the_same_with_and_without_the_shared_prefix(tmp_path):
+  """`model.shared_prefix` reaches the pass through ensure_reference_cache; the cached weights, NLLs and
+  log-probs agree with the whole-prompt pass's."""
+  from erpo_jax.data import reference_cache
+  caches = {}
+  for shared in (True, False):
+    cfg = load_config("configs/tiny.yaml", ["data.chat_template=true", "data.max_prompt_tokens=64", "data.size=48",
+                                            f"model.shared_prefix={str(shared).lower()}",
+                                            f"run.dir={tmp_path / str(shared)}"])
+    model, tokenizer = load_model(cfg.model)
+    caches[shared] = reference_cache.ensure_reference_cache(cfg, model, tokenizer)
+  on, off = caches[True], caches[False]
+  assert on.keys == off.keys  # one cache serves both settings
+  np.testing.assert_allclose(on.nll, off.nll, rtol=1e-5)
+  np.testing.assert_allclose(on.weights, off.weights, rtol=1e-5)
+  np.testing.assert_allclose(on.logp, off.logp, rtol=2e-5, atol=2e-5)
+  assert on.weights.std() > 0.01  # the weights differ from question to question
