@@ -17,7 +17,7 @@ ENV = "ERPO_JAX_CACHE_DIR"
 OFF = ("off", "none", "0", "false", "no")
 # Programs that compile faster than this are not written: eager ops and small helpers would cost a
 # file each for little gain. The train step, prefill and decode loops take seconds to compile.
-MIN_COMPILE_TIME_S = 0.5
+MIN_COMPILE_TIME_S = 0.25
 JAX_DEFAULT_MIN_COMPILE_TIME_S = 1.0
 
 _lock = threading.Lock()

@@ -43,7 +43,7 @@ def test_the_folder_is_erpo_jax_cache_dir_else_the_xdg_cache_and_off_turns_it_of
 
 def test_a_second_process_loads_what_the_first_wrote_and_writes_nothing(tmp_path):
   cache = tmp_path / "xla"
-  # Every program written (the default skips those that compile in under 0.5 s).
+  # Every program written (the default skips those that compile in under 0.25 s).
   _, first = _run(ERPO_JAX_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   entries = sorted(os.listdir(cache))
   assert first["dir"] == str(cache) and first["hits"] == 0 and first["written"] == first["requests"] >= 1

@@ -11,6 +11,7 @@ import numpy as np
 
 from erpo_jax.errors import PathError, UserError
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.io import gguf_format
 from erpo_jax.model.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -30,7 +31,7 @@ class GGUFFile:
 
   path: str
   metadata: dict
-  tensors: dict  # GGUF name -> gguf.ReaderTensor
+  tensors: dict  # GGUF name -> gguf_format.TensorInfo
 
   @property
   def architecture(self) -> str:
@@ -40,18 +41,11 @@ class GGUFFile:
 @functools.lru_cache(maxsize=4)
 def _open(path: str, mtime_ns: int) -> GGUFFile:
   del mtime_ns  # part of the cache key only: a rewritten file is parsed again
-  import gguf  # the gguf reader is slow to import; only GGUF models need it
-
   try:
-    reader = gguf.GGUFReader(path)
-  except (ValueError, OSError) as e:
+    metadata, tensors = gguf_format.read(path)
+  except (gguf_format.FormatError, OSError) as e:
     raise PathError(f"{path}: not a readable GGUF file: {str(e).splitlines()[0]}") from None
-  metadata = {}
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF."):
-      continue
-    metadata[key] = field.contents()
-  return GGUFFile(path, metadata, {t.name: t for t in reader.tensors})
+  return GGUFFile(path, metadata, tensors)
 
 
 def open_gguf(path: str) -> GGUFFile:
@@ -123,9 +117,13 @@ def reader(f: GGUFFile, cfg: ModelConfig):
     if g not in f.tensors:
       raise PathError(f"{f.path}: tensor {g} ({name}) is missing")
     t = f.tensors[g]
-    # np.asarray drops the memmap subclass, whose per-slice bookkeeping doubles the dequantize time.
-    w = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
-    w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists dims innermost first
+    qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    dims = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+    # Rows of bytes, as gguf's dequantize reads them; np.asarray drops the memmap subclass, whose per-slice
+    # bookkeeping doubles the dequantize time.
+    raw = np.asarray(t.data).reshape(*dims[:-1], dims[-1] // block * type_size)
+    w = np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(dims)
     if f.architecture == "llama" and g.endswith(("attn_q.weight", "attn_k.weight")):
       heads = cfg.num_heads if g.endswith("attn_q.weight") else cfg.num_kv_heads
       d_out, d_in = w.shape
