@@ -13,9 +13,15 @@ def power_of_two(n: int, minimum: int = 1) -> int:
   return 1 << (max(n, minimum, 1) - 1).bit_length()
 
 
-def prompt_bucket(length: int, min_bucket: int) -> int:
-  """The sampler's prompt length P for prompts of at most `length` tokens: a power of two >= min_bucket."""
-  return power_of_two(length, min_bucket)
+def prompt_bucket(length: int, min_bucket: int, longest_prompt: int | None = None) -> int:
+  """The sampler's and the update's prompt length P for prompts of at most `length` tokens: a power of two
+  >= min_bucket, cut to the fine bucket of the data set's longest prompt when that is known (a reference cache
+  gives it) and `length` fits. P takes no value the powers of two do not already bring, so nothing compiles more
+  often (the embedded default: 64 -> 48)."""
+  p = power_of_two(length, min_bucket)
+  if longest_prompt is None or length > longest_prompt:
+    return p
+  return min(p, fine_bucket(longest_prompt))
 
 
 def fine_bucket(length: int, minimum: int = 16) -> int:

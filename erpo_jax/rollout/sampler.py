@@ -76,6 +76,8 @@ class Sampler:
     self.max_prompt_len = max_prompt_len
     self.on_overlong = on_overlong
     self.overlong_prompts = 0  # prompts cut to max_prompt_len so far
+    # The data set's longest prompt, when the caller knows it: prompt buckets cut to its fine bucket.
+    self.longest_prompt: int | None = None
     self.traces = 0  # times the prefill or decode was traced (= programs compiled)
     self._batch_sharding = _batch_sharding(mesh, data_sharding)
     self._prefill = jax.jit(self._prefill_fn, static_argnames=("group_size",))
@@ -106,7 +108,8 @@ class Sampler:
     longest = len_B.max(keepdims=True)
     if jax.process_count() > 1:
       longest = allgather_rows(longest)  # one bucket P on every process
-    tokens_BxP = np.full((len(rows), buckets.prompt_bucket(int(longest.max()), self.min_prompt_bucket)), self.pad_id, np.int32)
+    P = buckets.prompt_bucket(int(longest.max()), self.min_prompt_bucket, self.longest_prompt)
+    tokens_BxP = np.full((len(rows), P), self.pad_id, np.int32)
     for b, r in enumerate(rows):
       tokens_BxP[b, :len(r)] = r
     return tokens_BxP, len_B, np.array(cut, bool)

@@ -75,15 +75,6 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
       k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
 
 
-def update_prompt_bucket(sampler_bucket: int, longest_prompt: int | None) -> int:
-  """The update's prompt rows P (static): the sampler's prompt bucket (a power of two), cut to the fine bucket of
-  the data set's longest prompt when the reference cache gives it. Every batch's prompts fit, and P takes no
-  value the sampler's buckets do not already bring, so nothing compiles more often (the default: 64 -> 48)."""
-  if longest_prompt is None:
-    return sampler_bucket
-  return min(sampler_bucket, buckets.fine_bucket(longest_prompt))
-
-
 def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
   """Static slots of each packed response stream (all processes agree), or None: no packing.
 

@@ -37,7 +37,7 @@ from erpo_jax.reward.verifier import RewardResult, Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
 from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
-from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host, update_prompt_bucket
+from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
 from erpo_jax.train.checkpoint_io import all_finite
 from erpo_jax.train.run_folder import RunLock, check_resume_config, prepare_run_dir, write_config
@@ -168,7 +168,9 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   ref_cache = None
   if cfg.erpo.weights == "static" or not forward:
     ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
-  longest_prompt = int(ref_cache.prompt_len.max()) if ref_cache is not None and ref_cache.prompt_len.size else None
+  if ref_cache is not None and ref_cache.prompt_len.size:
+    # The data set's longest prompt: rollouts and updates run on prompt rows of its fine bucket (buckets.py).
+    sampler.longest_prompt = int(ref_cache.prompt_len.max())
   if multihost.is_main():
     write_config(run_dir, cfg)
   metrics_out = MetricsWriter(run_dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
@@ -229,8 +231,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                           or step == cfg.train.steps)
       update = assemble_batch(host, rewards_N, np.asarray(batch.index), G, ref_cache, mesh,
                               batch.question_masks if cfg.erpo.query_span == "question" else None, want_policy_kl)
-      # The sampler's prompt bucket (the widest round's), cut to the data set's longest prompt when known.
-      prompt_bucket = update_prompt_bucket(host.tokens.shape[1] - cfg.rollout.max_new_tokens, longest_prompt)
+      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update, prompt_bucket,
                                                response_capacity(cfg, host, mesh))

@@ -44,6 +44,22 @@ def test_prompt_bucket_is_power_of_two_at_least_min():
   assert prompt_bucket(3, 4) == 4
 
 
+def test_prompts_cut_to_the_data_sets_longest_bucket_give_the_same_rollout(model):
+  """With the data set's longest prompt known (12 tokens here), prompts pad to its fine bucket (16), not the
+  power of two (32 at min_prompt_bucket 32): the same greedy responses, the same log-probs."""
+  rollouts = []
+  for longest in (None, 12):
+    s = Sampler(model, tok(eos_ids=(V + 1,)), max_new_tokens=6, temperature=0.0, min_prompt_bucket=32)
+    s.longest_prompt = longest
+    rollouts.append(s.generate(model, PROMPTS, group_size=2, key=jax.random.key(0)))
+  plain, cut = rollouts
+  assert np.asarray(plain.tokens).shape == (8, 32 + 6) and np.asarray(cut.tokens).shape == (8, 16 + 6)
+  for n in range(8):
+    assert response(cut, n) == response(plain, n), n
+    np.testing.assert_allclose(np.asarray(cut.logp)[n][np.asarray(cut.response_mask)[n]],
+                               np.asarray(plain.logp)[n][np.asarray(plain.response_mask)[n]], atol=1e-5)
+
+
 @pytest.mark.slow
 def test_cached_greedy_equals_full_forward_argmax(model):
   M = 10

@@ -1,5 +1,5 @@
-"""The update's prompt rows: the sampler's power-of-two bucket cut to the data set's longest prompt, with the
-same update and no extra compile."""
+"""Prompt rows: the power-of-two bucket cut to the data set's longest prompt, in the rollout and the update, with
+the same update and no extra compile."""
 
 import jax
 import jax.numpy as jnp
@@ -12,21 +12,23 @@ from erpo_jax.config_io import load_config
 from erpo_jax.metrics import read_jsonl
 from erpo_jax.train import loop
 from erpo_jax.train import step as train_step
-from erpo_jax.train.batch import update_prompt_bucket
+from erpo_jax.rollout.sampler import Sampler
 
 TEMPLATED = ["data.chat_template=true", "data.max_prompt_tokens=64", "data.levels=[1,2,3]"]
 
 
-def test_prompt_rows_are_the_samplers_bucket_cut_to_the_fine_bucket_of_the_longest_prompt():
-  assert update_prompt_bucket(64, 43) == 48  # the embedded default's prompts: 36-43 tokens
-  assert update_prompt_bucket(64, None) == 64  # no reference cache: the sampler's bucket
-  assert update_prompt_bucket(16, 43) == 16  # a batch of short prompts keeps its smaller bucket
-  assert update_prompt_bucket(128, 100) == 112 and update_prompt_bucket(128, 128) == 128
-  # No value the sampler's buckets do not already bring: at most one program per sampler bucket.
+def test_prompt_bucket_is_cut_to_the_fine_bucket_of_the_data_sets_longest_prompt():
+  assert buckets.prompt_bucket(43, 16, 43) == 48  # the embedded default's prompts: 36-43 tokens
+  assert buckets.prompt_bucket(43, 16) == 64  # the longest unknown (no reference cache): the power of two
+  assert buckets.prompt_bucket(12, 16, 43) == 16  # a batch of short prompts keeps its smaller bucket
+  assert buckets.prompt_bucket(100, 16, 100) == 112 and buckets.prompt_bucket(128, 16, 128) == 128
+  assert buckets.prompt_bucket(50, 16, 43) == 64  # a prompt past the stated longest is never cut
+  # No value the powers of two do not already bring: at most one program per plain bucket.
   for longest in (17, 43, 100, 300, 1000):
-    sampler = {buckets.prompt_bucket(n, 16) for n in range(1, longest + 1)}
-    cut = {update_prompt_bucket(p, longest) for p in sampler}
-    assert len(cut) <= len(sampler) and max(cut) >= longest and max(cut) - longest < max(16, longest // 8 + 8)
+    plain = {buckets.prompt_bucket(n, 16) for n in range(1, longest + 1)}
+    cut = {n: buckets.prompt_bucket(n, 16, longest) for n in range(1, longest + 1)}
+    assert len(set(cut.values())) <= len(plain) and all(p >= n for n, p in cut.items())
+    assert max(cut.values()) - longest < max(16, longest // 8 + 8)
 
 
 def test_the_update_on_cut_prompt_rows_equals_the_update_on_the_samplers_rows():
@@ -52,9 +54,17 @@ def test_the_update_on_cut_prompt_rows_equals_the_update_on_the_samplers_rows():
     np.testing.assert_allclose(np.asarray(new), np.asarray(old), rtol=1e-5, atol=1e-6)
 
 
-def spy_on_prompt_rows(monkeypatch) -> list[int]:
-  """The prompt rows (static prompt_bucket) of every update the loop runs."""
-  seen = []
+def spy_on_prompt_rows(monkeypatch) -> tuple[list[int], list[int]]:
+  """The prompt rows of every rollout (the sampler's padded prompts) and every update (static prompt_bucket)."""
+  seen, sampled = [], []
+  pad = Sampler.pad_prompts
+
+  def spying_pad(self, prompt_tokens):
+    out = pad(self, prompt_tokens)
+    sampled.append(out[0].shape[1])
+    return out
+
+  monkeypatch.setattr(Sampler, "pad_prompts", spying_pad)
   build = train_step.build_train_step
 
   def spying_build(*args, **kwargs):
@@ -66,16 +76,16 @@ def spy_on_prompt_rows(monkeypatch) -> list[int]:
     return step
 
   monkeypatch.setattr(loop.train_step, "build_train_step", spying_build)
-  return seen
+  return sampled, seen
 
 
-def test_a_run_with_static_weights_updates_on_rows_of_its_data_sets_fine_bucket(tmp_path, monkeypatch):
-  """The loop takes the longest prompt from the reference cache: chat-templated prompts of 36-43 tokens come
-  from the sampler in rows of 64 and go to the update in rows of 48."""
-  seen = spy_on_prompt_rows(monkeypatch)
+def test_a_run_with_static_weights_samples_and_updates_on_rows_of_its_data_sets_fine_bucket(tmp_path, monkeypatch):
+  """The loop takes the longest prompt from the reference cache: chat-templated prompts of 36-43 tokens, whose
+  power-of-two bucket is 64, go to the sampler and to the update in rows of 48."""
+  sampled, seen = spy_on_prompt_rows(monkeypatch)
   cfg = load_config("configs/tiny.yaml", [f"run.dir={tmp_path}", *TEMPLATED, "erpo.weights=static",
                                           "train.steps=2", "checkpoint.every=0", "rollout.max_new_tokens=8"])
   loop.train(cfg)
-  assert seen == [48, 48]  # the sampler's bucket for 36-43 tokens: 64
+  assert sampled == [48, 48] and seen == [48, 48]
   rows = read_jsonl(tmp_path / "metrics.jsonl")
   assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss/total"]) for r in rows)
