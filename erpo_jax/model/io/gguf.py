@@ -110,7 +110,7 @@ def reader(f: GGUFFile, cfg: ModelConfig):
   rows (0, Dh/2, 1, Dh/2+1, ...). Reading them back as [Dh/2, 2] and swapping the
   two axes restores Hugging Face's half-split order. Qwen2 files are not permuted.
   """
-  import gguf  # the gguf reader is slow to import; only GGUF models need it
+  import gguf  # its dequantizers; only GGUF models need the package
 
   def read(name: str) -> np.ndarray:
     g = gguf_name(name)
