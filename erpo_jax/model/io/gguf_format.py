@@ -8,7 +8,8 @@ count and the elements.
 
 The gguf package's reader builds an object per field part (a SmolLM2 file's 98,000 vocabulary and merge strings
 took 3 s); here numeric arrays are one numpy view each and strings one slice each. Values come back as the gguf
-package's `ReaderField.contents()` gives them: Python ints, floats, bools, strs, and lists of those.
+package's `ReaderField.contents()` gives them: Python ints, floats, bools, strs, and lists of those; an array of
+arrays comes back as nested lists (the package flattens it).
 """
 
 from __future__ import annotations
@@ -65,34 +66,23 @@ class _Cursor:
     start = self.take(n)
     return bytes(self.mv[start:start + n]).decode("utf-8", errors="replace")
 
+  def numbers(self, etype: int, count: int) -> list:
+    dt = _SCALARS.get(etype)
+    if dt is None:
+      raise FormatError(f"unknown value type {etype} before byte {self.pos}")
+    return np.frombuffer(self.buf, dt, count, self.take(count * np.dtype(dt).itemsize)).tolist()
+
   def value(self, vtype: int):
     if vtype == _STRING:
       return self.string()
     if vtype == _ARRAY:
-      return self.array()
-    dt = _SCALARS.get(vtype)
-    if dt is None:
-      raise FormatError(f"unknown metadata value type {vtype} at byte {self.pos - 4}")
-    size = np.dtype(dt).itemsize
-    return np.frombuffer(self.buf, dt, 1, self.take(size))[0].item()
-
-  def array(self) -> list:
-    etype, count = self.u32(), self.u64()
-    if etype == _STRING:
-      out = []
-      mv, unpack = self.mv, struct.unpack_from
-      for _ in range(count):
-        n = unpack("<Q", mv, self.take(8))[0]
-        start = self.take(n)
-        out.append(bytes(mv[start:start + n]).decode("utf-8", errors="replace"))
-      return out
-    if etype == _ARRAY:
-      return [self.array() for _ in range(count)]
-    dt = _SCALARS.get(etype)
-    if dt is None:
-      raise FormatError(f"unknown array element type {etype} at byte {self.pos - 12}")
-    size = np.dtype(dt).itemsize
-    return np.frombuffer(self.buf, dt, count, self.take(count * size)).tolist()
+      etype, count = self.u32(), self.u64()
+      if etype == _STRING:
+        return [self.string() for _ in range(count)]
+      if etype == _ARRAY:  # arrays of arrays: each element carries its own type and count
+        return [self.value(_ARRAY) for _ in range(count)]
+      return self.numbers(etype, count)
+    return self.numbers(vtype, 1)[0]
 
 
 def read(path: str) -> tuple[dict, dict[str, TensorInfo]]:

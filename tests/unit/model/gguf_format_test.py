@@ -106,3 +106,14 @@ def test_a_big_endian_file_is_refused_by_name(tmp_path):
   write(path, endianess=gguf.GGUFEndian.BIG)
   with pytest.raises(gguf_format.FormatError, match="big-endian GGUF"):
     gguf_format.read(path)
+
+
+def test_an_array_of_arrays_reads_as_nested_lists(tmp_path):
+  path = str(tmp_path / "nested.gguf")
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_key_value("t.nested", [[1, 2], [3]], V.ARRAY)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  assert gguf_format.read(path)[0]["t.nested"] == [[1, 2], [3]]
