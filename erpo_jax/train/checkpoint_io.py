@@ -58,9 +58,14 @@ def _checksums(leaves: list) -> jax.Array:
     size = x.dtype.itemsize
     words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size])
     words = words.reshape(-1).astype(jnp.uint32)
-    i = jnp.arange(words.shape[0], dtype=jnp.uint32)
-    a = jnp.sum(words * (2 * i + 1), dtype=jnp.uint32)
-    b = jnp.sum((words ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B) * (2 * i + 3), dtype=jnp.uint32)
+    i = jax.lax.iota(jnp.uint32, words.shape[0])
+    lane_a = words * (2 * i + 1)
+    lane_b = (words ^ (i * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B) * (2 * i + 3)
+    # Both lanes in one reduction: XLA fuses the products into it. Two separate sums share `words`, which XLA
+    # then writes out whole: a temporary copy of every leaf (2.1 GB and 1.4 s for SmolLM2-135M's parameters
+    # and AdamW state, against 0 and 0.07 s).
+    zero = jnp.uint32(0)
+    a, b = jax.lax.reduce((lane_a, lane_b), (zero, zero), lambda p, q: (p[0] + q[0], p[1] + q[1]), (0,))
     out.append(jnp.stack([a, b]))
   return jnp.stack(out)
 
