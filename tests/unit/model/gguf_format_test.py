@@ -117,3 +117,24 @@ def test_an_array_of_arrays_reads_as_nested_lists(tmp_path):
   w.write_tensors_to_file()
   w.close()
   assert gguf_format.read(path)[0]["t.nested"] == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0,
+                                   gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F16],
+                         ids=lambda q: q.name)
+def test_dequantize_equals_the_gguf_package_bit_for_bit(qtype):
+  rng = np.random.default_rng(0)
+  block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+  values = (rng.standard_normal((3, 5, 4 * block)) * rng.choice([1e-3, 1.0, 40.0], size=(3, 5, 1))).astype(np.float32)
+  quantized = gguf.quants.quantize(values, qtype)
+  # Every byte pattern of the quants too (all nibbles, int8 -128), under finite random scales.
+  raw = rng.integers(0, 256, size=(6, 4 * type_size), dtype=np.uint8)
+  if qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+    blocks = raw.reshape(-1, type_size)
+    scales = 2 if qtype == gguf.GGMLQuantizationType.Q8_0 else 4
+    blocks[:, :scales] = rng.uniform(-2, 2, size=(len(blocks), scales // 2)).astype(np.float16).view(np.uint8)
+  for rows in (quantized, raw):
+    want = np.asarray(gguf.quants.dequantize(rows, qtype), np.float32)
+    got = gguf_io.dequantize(rows, qtype)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
