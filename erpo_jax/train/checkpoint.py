@@ -88,12 +88,13 @@ class Checkpointer:
     self.wait()
     if step in self.all_steps():
       return False
-    if not (cio.all_finite(params) and cio.all_finite(opt_state)):
-      raise NonFiniteError(step, "parameters or optimizer state")
     trees = {"params": cio.pure(params), "opt_state": cio.pure(opt_state)}
+    summaries = {k: cio.summaries(t) for k, t in trees.items()}  # (checksums, all finite), one pass per tree
+    if not all(finite for _, finite in summaries.values()):
+      raise NonFiniteError(step, "parameters or optimizer state")
     meta = {"step": step, "fingerprint": self.fingerprint, "rng": cio.key_to_json(rng_key), "config": config_text,
             "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()},
-            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), cio.checksums(t))]
+            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), summaries[k][0])]
                           for k, t in trees.items()}}
     # Orbax refuses trees without leaves (optax.sgd's state); they hold nothing to save.
     items = {k: ocp.args.StandardSave(t) for k, t in trees.items() if jax.tree.leaves(t)}

@@ -363,13 +363,27 @@ def test_checksums_are_the_documented_sums_so_earlier_checkpoints_still_verify()
   assert got == [_documented_checksum(np.asarray(x)) for x in jax.tree.leaves(tree)]
 
 
-def test_checksums_of_optimizer_state_need_no_temporary_copy_of_it():
+def test_checksums_and_finiteness_of_optimizer_state_need_no_temporary_copy_of_it():
   # AdamW's mu and nu come in pairs of equal shapes; summing each checksum lane apart made XLA write every
-  # leaf's words out whole (2.1 GB for SmolLM2-135M's parameters and state, at every checkpoint save).
+  # leaf's words out whole (2.1 GB for SmolLM2-135M's parameters and state, at every checkpoint save), and
+  # isfinite(x).all() wrote out its booleans.
   leaves = [jnp.ones(s, jnp.float32) for s in [(6, 64, 96)] * 3 + [(6, 64, 64), (500, 64)]] * 2
-  compiled = cio._checksums.lower(leaves).compile()
+  compiled = cio._summaries.lower(leaves).compile()
   argument_bytes = sum(x.nbytes for x in leaves)
   assert compiled.memory_analysis().temp_size_in_bytes < 0.01 * argument_bytes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_one_nan_or_inf_anywhere_in_any_float_leaf_is_found(dtype):
+  x = jnp.linspace(-3e4, 3e4, 3 * 40 * 33).reshape(3, 40, 33).astype(dtype)
+  ints = jnp.arange(7)
+  assert cio.all_finite({"x": x, "i": ints, "big": jnp.full((5,), jnp.finfo(jnp.float32).max)})
+  for pos in (0, 1, 31, 32, 2000, x.size - 1):
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+      broken = x.reshape(-1).at[pos].set(bad).reshape(x.shape)
+      assert not cio.all_finite({"i": ints, "ok": x, "x": broken}), (pos, bad)
+      summed, finite = cio.summaries({"x": broken})
+      assert not finite and summed == cio.checksums({"x": broken})
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
