@@ -224,6 +224,9 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
           entry["drawn"] = [i for d in rounds for i in d.batch.index.tolist()]
         index_log.write(json.dumps(entry) + "\n")
         index_log.flush()
+      # A checkpoint written in the background holds a host copy of the parameters and optimizer state until it
+      # is on disk: it ends during the rollout, not beside the update's peak.
+      ckpt.wait()
       t2 = time.perf_counter()
 
       log_step = step % cfg.train.log_every == 0 or step == cfg.train.steps

@@ -119,3 +119,41 @@ def test_rloo_and_dapo_configs_train_and_log_rewards_losses_and_their_metrics(tm
       assert r["reward/overlong_penalty"] == 0.0
     if name == "dapo":
       assert r["loss/total"] == pytest.approx(r["loss/pg"], abs=1e-7)  # no KL term
+
+
+def test_a_checkpoint_written_in_the_background_is_on_disk_before_the_next_update(tmp_path, monkeypatch):
+  """The write holds a host copy of the parameters and optimizer state: it must not overlap the update's peak."""
+  from erpo_jax.train import checkpoint as ck
+  from erpo_jax.train import loop
+  events, writers = [], []
+  save, wait, build = ck.Checkpointer.save, ck.Checkpointer.wait, loop.train_step.build_train_step
+
+  def spying_save(self, step, **kwargs):
+    writers.append(self)
+    started = save(self, step, **kwargs)
+    events.append(f"save {step}" if started else "no save")
+    return started
+
+  def spying_wait(self):
+    wait(self)
+    events.append("waited")
+
+  def spying_build(*args, **kwargs):
+    step_fn = build(*args, **kwargs)
+
+    def step(*a, **k):
+      events.append("update" + (" while writing" if any(w._mgr.is_saving_in_progress() for w in writers) else ""))
+      return step_fn(*a, **k)
+    return step
+
+  monkeypatch.setattr(ck.Checkpointer, "save", spying_save)
+  monkeypatch.setattr(ck.Checkpointer, "wait", spying_wait)
+  monkeypatch.setattr(loop.train_step, "build_train_step", spying_build)
+  run(tmp_path, "a", "train.steps=3", "checkpoint.every=1")
+  updates = [i for i, e in enumerate(events) if e.startswith("update")]
+  saves = [i for i, e in enumerate(events) if e.startswith("save")]
+  assert len(updates) == 3 and len(saves) == 3, events
+  assert all(events[u] == "update" for u in updates), events
+  for s in saves[:-1]:  # between a save and the next update, a wait that returned
+    nxt = min(u for u in updates if u > s)
+    assert "waited" in events[s + 1:nxt], events
