@@ -22,6 +22,7 @@ inherit it. `ERPO_JAX_ALLOCATOR` chooses:
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import pathlib
@@ -119,3 +120,21 @@ def reexec_if_needed() -> None:
   except OSError as e:  # the interpreter could not be started again: run on as we are
     print(f"erpo-jax: warning: could not restart with mimalloc ({e}); using the C library's malloc",
           file=sys.stderr)
+
+
+def release_free_memory() -> str:
+  """Hands back to the system the freed memory that mimalloc keeps mapped for reuse; returns 'mimalloc', or
+  'none' where no allocator of this process keeps any (the C library's gives large blocks back on free).
+
+  A checkpoint's host copies (the parameters and optimizer state, in pieces of many sizes) stay mapped after
+  the write has freed them, and the next update's buffers do not reuse most of them: on the default run 0.5 GB
+  of its peak RSS. mi_collect(force) takes 15-45 ms there.
+  """
+  try:
+    collect = getattr(ctypes.CDLL(None), "mi_collect", None)  # the process's own symbols: a preloaded mimalloc's
+  except (OSError, TypeError):  # no dlopen(NULL) on this platform
+    collect = None
+  if collect is None:
+    return "none"
+  collect(ctypes.c_bool(True))
+  return "mimalloc"

@@ -14,6 +14,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from erpo_jax import allocator
 from erpo_jax.errors import NonFiniteError, PathError, UserError
 from erpo_jax.train import checkpoint_io as cio
 
@@ -112,6 +113,8 @@ class Checkpointer:
       self._mgr.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       raise self._write_error(e) from e
+    if self._pending is not None:
+      allocator.release_free_memory()  # the write's host copies, freed now, would stay mapped beside the update
     self._pending = None
 
   def all_steps(self) -> list[int]:

@@ -386,6 +386,20 @@ def test_one_nan_or_inf_anywhere_in_any_float_leaf_is_found(dtype):
       assert not finite and summed == cio.checksums({"x": broken})
 
 
+def test_the_allocators_free_memory_is_handed_back_once_a_background_write_is_on_disk(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(ck.allocator, "release_free_memory", lambda: calls.append("released"))
+  with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
+    c.wait()
+    assert calls == []  # nothing was being written
+    assert c.save(1, params=_big_params(0), opt_state={}, rng_key=jax.random.key(0), data_state={},
+                  config_text="")
+    c.wait()
+    assert calls == ["released"] and c.all_steps() == [1]
+    c.wait()
+    assert calls == ["released"]
+
+
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
 def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one_with_a_warning(tmp_path, damage):
   with ck.Checkpointer(tmp_path, every=1, keep=3, fingerprint=FP) as c:
