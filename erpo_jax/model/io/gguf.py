@@ -140,7 +140,7 @@ def dequantize(rows: np.ndarray, qtype: int) -> np.ndarray:
   Q4_1 and Q8_0, the embedded SmolLM2's types, are decoded here in whole-array passes (0.66x the load time of the
   package's per-row-group decode); the package decodes every other type.
   """
-  import gguf
+  import gguf  # its type ids and the other types' dequantizers; only GGUF models need the package
 
   if qtype == gguf.GGMLQuantizationType.Q4_1:  # 20-byte blocks: f16 scale d, f16 minimum m, 16 bytes of nibbles
     b = rows.reshape(-1, 20)
