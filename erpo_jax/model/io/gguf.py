@@ -110,7 +110,7 @@ def reader(f: GGUFFile, cfg: ModelConfig):
   rows (0, Dh/2, 1, Dh/2+1, ...). Reading them back as [Dh/2, 2] and swapping the
   two axes restores Hugging Face's half-split order. Qwen2 files are not permuted.
   """
-  import gguf  # its dequantizers; only GGUF models need the package
+  import gguf  # its type ids and block sizes; only GGUF models need the package
 
   def read(name: str) -> np.ndarray:
     g = gguf_name(name)
@@ -120,8 +120,8 @@ def reader(f: GGUFFile, cfg: ModelConfig):
     qtype = gguf.GGMLQuantizationType(t.tensor_type)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     dims = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
-    # Rows of bytes, as gguf's dequantize reads them; np.asarray drops the memmap subclass, whose per-slice
-    # bookkeeping doubles the dequantize time.
+    # Rows of bytes, as `dequantize` reads them; np.asarray drops the memmap subclass, whose per-slice
+    # bookkeeping doubled the package's dequantize time.
     raw = np.asarray(t.data).reshape(*dims[:-1], dims[-1] // block * type_size)
     w = dequantize(raw, qtype).reshape(dims)
     if f.architecture == "llama" and g.endswith(("attn_q.weight", "attn_k.weight")):
