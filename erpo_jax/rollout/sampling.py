@@ -48,8 +48,7 @@ def sample_token_columns(logits_VxN: jax.Array, key: jax.Array, temperature, *, 
     keep = jnp.sum(mass_before < top_p, axis=-1)  # >= 1: the first token has mass_before 0
     cutoff = jnp.take_along_axis(sorted_desc, keep[:, None] - 1, axis=-1)[:, 0]
     x = jnp.where(x < cutoff[None], neg_inf, x)
-  tok = categorical_columns(key, x)
-  return tok.astype(jnp.int32), pick(jax.nn.log_softmax(x, axis=0), tok)
+  return draw_columns(key, x)
 
 
 def categorical(key: jax.Array, logits_NxV: jax.Array, *, block: int = 128) -> jax.Array:
@@ -58,7 +57,14 @@ def categorical(key: jax.Array, logits_NxV: jax.Array, *, block: int = 128) -> j
 
 
 def categorical_columns(key: jax.Array, logits_VxN: jax.Array, *, block: int = 128) -> jax.Array:
+  """One draw per column from softmax(logits); see `draw_columns`."""
+  return draw_columns(key, logits_VxN, block=block)[0]
+
+
+def draw_columns(key: jax.Array, logits_VxN: jax.Array, *, block: int = 128) -> tuple[jax.Array, jax.Array]:
   """One draw per column from softmax(logits) by inverse CDF: one uniform per column, not V Gumbels.
+  Returns (token_N int32, logp_N f32), logp = log softmax(logits)[token] as log(the token's mass) -
+  log(the total mass), both from the one exp pass that draws it.
 
   Dimension letters: V vocab, N columns, C blocks of `block` tokens (V padded
   with zero-mass tokens). The uniform u in [0, total mass) picks the block
@@ -76,8 +82,10 @@ def categorical_columns(key: jax.Array, logits_VxN: jax.Array, *, block: int = 1
   u_N = jax.random.uniform(key, (N,), jnp.float32) * cum_CxN[-1]
   c_N = jnp.minimum(jnp.sum(cum_CxN <= u_N[None], axis=0), C - 1)
   before_N = jnp.where(c_N > 0, jnp.take_along_axis(cum_CxN, jnp.maximum(c_N - 1, 0)[None], axis=0)[0], 0.0)
-  inner_KxN = jnp.cumsum(jnp.take_along_axis(p_CxKxN, c_N[None, None], axis=0)[0], axis=0)
+  p_KxN = jnp.take_along_axis(p_CxKxN, c_N[None, None], axis=0)[0]
+  inner_KxN = jnp.cumsum(p_KxN, axis=0)
   # Rounding can leave u - before at or past the block's own total: stay inside its mass.
   r_N = jnp.minimum(u_N - before_N, inner_KxN[-1] * (1.0 - 2.0 ** -20))
   k_N = jnp.sum(inner_KxN <= r_N[None], axis=0)
-  return (c_N * block + k_N).astype(jnp.int32)
+  mass_N = jnp.take_along_axis(p_KxN, k_N[None], axis=0)[0]  # > 0: a zero-mass token is never drawn
+  return (c_N * block + k_N).astype(jnp.int32), jnp.log(mass_N) - jnp.log(cum_CxN[-1])

@@ -17,7 +17,7 @@ from erpo_jax.errors import DataError
 from erpo_jax.model import llama, logprobs
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
-from erpo_jax.rollout.sampling import categorical, sample_token
+from erpo_jax.rollout.sampling import categorical, sample_token, sample_token_columns
 
 V = 64
 # Untied lm-head: a tied random model mostly repeats its input token, which makes dull samples.
@@ -222,6 +222,36 @@ def test_inverse_cdf_draws_follow_softmax_and_never_pick_zero_mass_tokens():
   again = np.asarray(categorical(jax.random.key(3), jnp.broadcast_to(jnp.asarray(logits), (n, 300))))
   other = np.asarray(categorical(jax.random.key(4), jnp.broadcast_to(jnp.asarray(logits), (n, 300))))
   assert (again == draws).all() and (other != draws).mean() > 0.9
+
+
+def test_drawn_logp_equals_log_softmax_also_for_unlikely_tokens_after_one_exp_over_the_vocab():
+  # Logits spread over ~100 nats: some draws land on tokens of mass 1e-4 and below in their column.
+  V_, N_ = 1000, 512
+  logits_VxN = jax.random.normal(jax.random.key(5), (V_, N_)) * 12.0
+  lowest = 0.0
+  for temperature in (1.0, 0.7, 2.5):
+    tok_N, logp_N = sample_token_columns(logits_VxN, jax.random.key(6), temperature, greedy=False, top_k=0,
+                                         top_p=1.0)
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits_VxN / temperature, axis=0), tok_N[None], axis=0)[0]
+    np.testing.assert_allclose(logp_N, want, rtol=1e-6, atol=2e-5)
+    lowest = min(lowest, float(jnp.min(want)))
+  assert lowest < -9.0  # some draws were that unlikely
+  # The draw and its log-prob come from one exp over the [V, N] logits, not one each.
+  jaxpr = jax.make_jaxpr(lambda x: sample_token_columns(x, jax.random.key(0), 1.0, greedy=False, top_k=0,
+                                                         top_p=1.0))(logits_VxN)
+  assert _vocab_sized_exps(jaxpr.jaxpr, V_ * N_) == 1
+
+
+def _vocab_sized_exps(jaxpr, size: int) -> int:
+  """exp equations with at least `size` outputs in a jaxpr and the jaxprs inside it (jit, custom_jvp)."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == "exp" and e.outvars[0].aval.size >= size
+    for v in e.params.values():
+      inner = getattr(v, "jaxpr", v)
+      if hasattr(inner, "eqns"):
+        n += _vocab_sized_exps(inner, size)
+  return n
 
 
 def test_inverse_cdf_draws_a_one_hot_row_exactly():
