@@ -39,7 +39,6 @@ from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
-from erpo_jax.train.checkpoint_io import all_finite
 from erpo_jax.train.run_folder import RunLock, check_resume_config, prepare_run_dir, write_config
 
 
@@ -276,9 +275,11 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         # SIGTERM may reach the processes in different steps; they save and stop together.
         stop = bool(transfer.allgather_rows(np.array([stop])).any())
       if ckpt.should_save(step) or step == cfg.train.steps or stop:
-        if all_finite(params) and all_finite(opt_state):
+        try:  # save's one pass over each tree checks finiteness beside its checksums
           ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
                     config_text=dump_config(cfg), force=True)
+        except NonFiniteError:
+          multihost.log(f"step {step}: parameters or optimizer state not finite; no checkpoint written")
       if stop:
         multihost.log(f"SIGTERM: saved step {step}; resume with the same command")
         break

@@ -3,6 +3,7 @@
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -157,3 +158,18 @@ def test_a_checkpoint_written_in_the_background_is_on_disk_before_the_next_updat
   for s in saves[:-1]:  # between a save and the next update, a wait that returned
     nxt = min(u for u in updates if u > s)
     assert "waited" in events[s + 1:nxt], events
+
+
+def test_a_save_reads_the_parameters_and_optimizer_state_once_each(tmp_path, monkeypatch):
+  """Finiteness and checksums come from one pass over each tree, inside the save: the loop adds none."""
+  from erpo_jax.train import checkpoint_io as cio
+  passes, summaries = [], cio.summaries
+
+  def counting(tree):
+    passes.append(len(jax.tree.leaves(tree)))
+    return summaries(tree)
+
+  monkeypatch.setattr(cio, "summaries", counting)
+  run(tmp_path, "a", "train.steps=2", "checkpoint.every=1")
+  assert cio.complete_steps(tmp_path / "a" / cio.CHECKPOINTS_DIR) == [1, 2]
+  assert len(passes) == 2 * 2, passes  # two saves, two trees each
