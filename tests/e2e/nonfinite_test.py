@@ -74,3 +74,14 @@ def test_overflowing_learning_rate_stops_with_exit_3_and_no_checkpoint_of_the_ov
   assert len(lines) == 1 and "non-finite loss at step 2" in lines[0], lines
   assert complete_steps(run_dir) == [1]
   _assert_every_checkpoint_finite(run_dir)
+
+
+@pytest.mark.slow
+def test_an_update_that_leaves_the_state_non_finite_is_not_saved_and_the_run_says_so(tmp_path):
+  run_dir = tmp_path / "run"
+  # 1e39 is Inf in float32: step 1's loss and gradients are finite, the weights it leaves are not.
+  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "optim.lr=1e39")
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert "step 1: parameters or optimizer state not finite; no checkpoint written" in proc.stdout
+  assert "non-finite loss at step 2" in proc.stderr
+  assert complete_steps(run_dir) == []
