@@ -20,11 +20,6 @@ from flax import nnx
 from erpo_jax.errors import PathError, UserError
 
 
-def all_finite(tree) -> bool:
-  """True when no floating-point leaf of `tree` holds NaN or Inf (one pass over the leaves, one transfer)."""
-  return summaries(tree)[1]
-
-
 def checksums(tree) -> list[str]:
   """Per leaf (flattening order) a 64-bit checksum of its bytes, as hex.
 
@@ -36,7 +31,8 @@ def checksums(tree) -> list[str]:
 
 
 def summaries(tree) -> tuple[list[str], bool]:
-  """(checksums, all_finite) of `tree` from one pass over its leaves."""
+  """(checksums, all finite) of `tree` from one pass over its leaves and one transfer: `checksums`, and True
+  when no floating-point leaf holds NaN or Inf."""
   leaves = jax.tree.leaves(pure(tree))
   if not leaves:
     return [], True

@@ -262,10 +262,14 @@ def test_changed_optimizer_is_refused_with_a_user_error(tmp_path):
       c.restore(params_target=p, opt_state_target=other)
 
 
+def _finite(tree) -> bool:
+  return cio.summaries(tree)[1]
+
+
 def test_non_finite_state_is_never_saved(tmp_path):
-  assert cio.all_finite({"a": jnp.ones(3), "i": jnp.arange(3)})
-  assert not cio.all_finite({"a": jnp.array([1.0, jnp.inf])})
-  assert not cio.all_finite((jnp.ones(2), {"m": jnp.array([jnp.nan], jnp.bfloat16)}))
+  assert _finite({"a": jnp.ones(3), "i": jnp.arange(3)})
+  assert not _finite({"a": jnp.array([1.0, jnp.inf])})
+  assert not _finite((jnp.ones(2), {"m": jnp.array([jnp.nan], jnp.bfloat16)}))
   with ck.Checkpointer(tmp_path, every=1, keep=1, fingerprint=FP) as c:
     with pytest.raises(NonFiniteError, match="step 5"):
       _save(c, 5, {"w": jnp.ones(2)}, {"mu": jnp.array([0.0, jnp.nan])})
@@ -377,11 +381,11 @@ def test_checksums_and_finiteness_of_optimizer_state_need_no_temporary_copy_of_i
 def test_one_nan_or_inf_anywhere_in_any_float_leaf_is_found(dtype):
   x = jnp.linspace(-3e4, 3e4, 3 * 40 * 33).reshape(3, 40, 33).astype(dtype)
   ints = jnp.arange(7)
-  assert cio.all_finite({"x": x, "i": ints, "big": jnp.full((5,), jnp.finfo(jnp.float32).max)})
+  assert _finite({"x": x, "i": ints, "big": jnp.full((5,), jnp.finfo(jnp.float32).max)})
   for pos in (0, 1, 31, 32, 2000, x.size - 1):
     for bad in (jnp.nan, jnp.inf, -jnp.inf):
       broken = x.reshape(-1).at[pos].set(bad).reshape(x.shape)
-      assert not cio.all_finite({"i": ints, "ok": x, "x": broken}), (pos, bad)
+      assert not _finite({"i": ints, "ok": x, "x": broken}), (pos, bad)
       summed, finite = cio.summaries({"x": broken})
       assert not finite and summed == cio.checksums({"x": broken})
 
