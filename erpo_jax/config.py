@@ -23,6 +23,8 @@ from erpo_jax.config_run import (
 )
 from erpo_jax.config_model import ModelSection
 
+FLOAT32_MAX = 3.4028234663852886e38  # optimizer hyperparameters above it are Inf in a float32 update
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
@@ -212,10 +214,10 @@ class OptimSection:
 
   def __post_init__(self):
     check_field(self.lr > 0, "optim.lr", "a positive number", self.lr)
-    check_field(math.isfinite(self.lr), "optim.lr", "a finite number", self.lr)
+    check_field(self.lr <= FLOAT32_MAX, "optim.lr", "a finite number in float32 (at most 3.4e38)", self.lr)
     check_field(0 <= self.b1 < 1, "optim.b1", "a number in [0, 1)", self.b1)
     check_field(0 <= self.b2 < 1, "optim.b2", "a number in [0, 1)", self.b2)
-    check_field(0 < self.eps < math.inf, "optim.eps", "a finite positive number", self.eps)
+    check_field(0 < self.eps <= FLOAT32_MAX, "optim.eps", "a positive number, finite in float32", self.eps)
     check_field(self.weight_decay >= 0, "optim.weight_decay", "a number >= 0", self.weight_decay)
     check_field(self.grad_clip >= 0, "optim.grad_clip", "a number >= 0", self.grad_clip)
     check_field(self.warmup_steps >= 0, "optim.warmup_steps", "an integer >= 0", self.warmup_steps)

@@ -71,6 +71,7 @@ CASES = [
     ("G < 2 with group advantages", None, ["rollout.group_size=1"], ["rollout.group_size", ">= 2"]),
     ("NaN reward", None, ["reward.wrong=.nan"], ["reward.wrong", "finite"]),
     ("infinite learning rate", None, ["optim.lr=.inf"], ["optim.lr", "finite"]),
+    ("learning rate that is Inf in float32", None, ["optim.lr=1e39"], ["optim.lr", "finite number in float32", "1e+39"]),
     ("zero advantage eps", None, ["ppo.advantage_eps=0"], ["ppo.advantage_eps", "> 0"]),
     ("override without '='", None, ["train.steps"], ["override 'train.steps'", "key=value"]),
     ("missing config file", "{data}/absent.yaml", [], ["absent.yaml", "not found"]),
