@@ -275,11 +275,10 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         # SIGTERM may reach the processes in different steps; they save and stop together.
         stop = bool(transfer.allgather_rows(np.array([stop])).any())
       if ckpt.should_save(step) or step == cfg.train.steps or stop:
-        try:  # save's one pass over each tree checks finiteness beside its checksums
-          ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
-                    config_text=dump_config(cfg), force=True)
-        except NonFiniteError:
-          multihost.log(f"step {step}: parameters or optimizer state not finite; no checkpoint written")
+        # save's one pass over each tree checks finiteness beside its checksums. Weights that are not finite
+        # stop the run here (NonFiniteError, exit 3) whatever train.skip_nonfinite says: no update mends them.
+        ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
+                  config_text=dump_config(cfg), force=True)
       if stop:
         multihost.log(f"SIGTERM: saved step {step}; resume with the same command")
         break

@@ -5,6 +5,8 @@ trainer's Hooks, which feeds them through the jitted update), or a learning rate
 that the parameters overflow. Whatever happens, no checkpoint holds NaN or Inf.
 """
 
+import signal
+
 import pytest
 
 import tiny_runs
@@ -76,12 +78,42 @@ def test_overflowing_learning_rate_stops_with_exit_3_and_no_checkpoint_of_the_ov
   _assert_every_checkpoint_finite(run_dir)
 
 
+# AdamW moves each weight w by about lr * (1 + weight_decay * |w|) in step 1: at lr = 3.4e38, near the float32
+# maximum, the weights it leaves overflow to Inf although the loss and gradients of step 1 are finite.
+INF_LR = ("optim.lr=3.4e38", "optim.weight_decay=0.5")
+
+
 @pytest.mark.slow
-def test_an_update_that_leaves_the_state_non_finite_is_not_saved_and_the_run_says_so(tmp_path):
+def test_an_update_that_leaves_the_weights_non_finite_stops_the_run_at_that_step_with_exit_3(tmp_path):
   run_dir = tmp_path / "run"
-  # 1e39 is Inf in float32: step 1's loss and gradients are finite, the weights it leaves are not.
-  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "optim.lr=1e39")
+  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, *INF_LR)
   assert proc.returncode == 3, proc.stderr[-3000:]
-  assert "step 1: parameters or optimizer state not finite; no checkpoint written" in proc.stdout
-  assert "non-finite loss at step 2" in proc.stderr
+  lines = _error_lines(proc.stderr)
+  assert len(lines) == 1 and "non-finite parameters or optimizer state at step 1" in lines[0], lines
+  assert complete_steps(run_dir) == []
+  assert metrics_steps(run_dir) == [1]  # the step is logged; no rollout of step 2 is spent on Inf weights
+
+
+@pytest.mark.slow
+def test_skip_nonfinite_does_not_finish_with_exit_0_on_weights_no_update_can_mend(tmp_path):
+  # Skipping updates helps a non-finite loss; weights already Inf stay Inf, and the run must not end as a success.
+  run_dir = tmp_path / "run"
+  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, *INF_LR, "train.skip_nonfinite=true")
+  assert proc.returncode == 3, proc.stderr[-3000:]
+  assert "non-finite parameters or optimizer state at step 1" in proc.stderr
+  assert complete_steps(run_dir) == []
+
+
+@pytest.mark.slow
+def test_sigterm_with_non_finite_weights_exits_3_and_does_not_claim_a_save(tmp_path):
+  run_dir = tmp_path / "run"
+  # No periodic saves; skip_nonfinite keeps the run going (every later update skipped) until SIGTERM.
+  t = tiny_runs.Training(run_dir, "checkpoint.every=0", *INF_LR, "train.skip_nonfinite=true")
+  assert t.wait_for(lambda: 2 in metrics_steps(run_dir)), t.stderr()[-3000:]
+  t.proc.send_signal(signal.SIGTERM)
+  assert t.wait(timeout=60) == 3, t.stderr()[-3000:]
+  stopped = metrics_steps(run_dir)[-1]
+  assert stopped < tiny_runs.STEPS  # the signal, not the end of the run, made this save
+  assert "SIGTERM: saved" not in t.stdout()
+  assert f"non-finite parameters or optimizer state at step {stopped}" in t.stderr()
   assert complete_steps(run_dir) == []
