@@ -3,7 +3,7 @@
 --nan-step K multiplies the rewards of step K by NaN, so the real update of that
 step sees a non-finite loss. --hold-step K --release FILE makes step K wait, after
 its rollout is scored, until FILE exists (a trainer held in the middle of its run,
-whatever the machine's speed; the run's numbers are unchanged). The remaining
+whatever the machine's speed; the run's numbers are unchanged); FILE.held appears when the wait begins. The remaining
 arguments go to the erpo-jax CLI.
 """
 
@@ -28,6 +28,8 @@ def nan_rewards_at(step: int) -> loop.Hooks:
 
 def hold_at(step: int, release: str, timeout_s: float = 600.0) -> loop.Hooks:
   def scored(k, result):
+    if k == step:
+      pathlib.Path(release + ".held").touch()  # tells a test the trainer is in the middle of step K now
     deadline = time.monotonic() + timeout_s
     while k == step and not pathlib.Path(release).exists() and time.monotonic() < deadline:
       time.sleep(0.05)

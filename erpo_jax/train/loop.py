@@ -35,6 +35,7 @@ from erpo_jax.parallel import multihost, transfer
 from erpo_jax.reward.shaping import overlong_penalty
 from erpo_jax.reward.verifier import RewardResult, Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
+from erpo_jax.train import checkpoint_io as cio
 from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
@@ -245,6 +246,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         if not cfg.train.skip_nonfinite:
           ckpt.wait()  # the last finite checkpoint is complete on disk before the run stops
           raise NonFiniteError(step)
+        if not all(cio.summaries(t)[1] for t in (params, opt_state)):  # skipping cannot mend weights already Inf
+          raise NonFiniteError(step, "parameters or optimizer state")
         multihost.log(f"step {step}: non-finite loss or gradients; update skipped")
 
       if cfg.train.eval_every and step % cfg.train.eval_every == 0:

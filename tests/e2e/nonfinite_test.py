@@ -5,6 +5,7 @@ trainer's Hooks, which feeds them through the jitted update), or a learning rate
 that the parameters overflow. Whatever happens, no checkpoint holds NaN or Inf.
 """
 
+import pathlib
 import signal
 
 import pytest
@@ -95,25 +96,29 @@ def test_an_update_that_leaves_the_weights_non_finite_stops_the_run_at_that_step
 
 
 @pytest.mark.slow
-def test_skip_nonfinite_does_not_finish_with_exit_0_on_weights_no_update_can_mend(tmp_path):
-  # Skipping updates helps a non-finite loss; weights already Inf stay Inf, and the run must not end as a success.
+def test_skip_nonfinite_stops_at_its_first_skip_when_the_weights_are_already_non_finite(tmp_path):
+  # Skipping an update helps a NaN loss; weights already Inf stay Inf, so the run stops at once (exit 3) instead of
+  # skipping every later step and ending with exit 0 (or, without periodic checkpoints, only at the final save).
   run_dir = tmp_path / "run"
-  proc = tiny_runs.run_train(run_dir, *EVERY_STEP, *INF_LR, "train.skip_nonfinite=true")
+  proc = tiny_runs.run_train(run_dir, "checkpoint.every=0", *INF_LR, "train.skip_nonfinite=true")
   assert proc.returncode == 3, proc.stderr[-3000:]
-  assert "non-finite parameters or optimizer state at step 1" in proc.stderr
-  assert complete_steps(run_dir) == []
+  lines = _error_lines(proc.stderr)
+  assert len(lines) == 1 and "non-finite parameters or optimizer state at step 2" in lines[0], lines
+  assert "update skipped" not in proc.stdout
+  assert complete_steps(run_dir) == [] and metrics_steps(run_dir) == [1]
 
 
 @pytest.mark.slow
 def test_sigterm_with_non_finite_weights_exits_3_and_does_not_claim_a_save(tmp_path):
-  run_dir = tmp_path / "run"
-  # No periodic saves; skip_nonfinite keeps the run going (every later update skipped) until SIGTERM.
-  t = tiny_runs.Training(run_dir, "checkpoint.every=0", *INF_LR, "train.skip_nonfinite=true")
-  assert t.wait_for(lambda: 2 in metrics_steps(run_dir)), t.stderr()[-3000:]
+  run_dir, release = tmp_path / "run", tmp_path / "release"
+  # Step 1 waits after its rollout; SIGTERM comes then, so step 1's update (which leaves Inf weights) ends with the
+  # save SIGTERM asks for. No periodic saves: that save is the only one.
+  t = tiny_runs.Training(run_dir, "checkpoint.every=0", *INF_LR, hold=(1, release))
+  assert t.wait_for(lambda: pathlib.Path(f"{release}.held").exists()), t.stderr()[-3000:]
   t.proc.send_signal(signal.SIGTERM)
-  assert t.wait(timeout=60) == 3, t.stderr()[-3000:]
-  stopped = metrics_steps(run_dir)[-1]
-  assert stopped < tiny_runs.STEPS  # the signal, not the end of the run, made this save
+  release.touch()
+  assert t.wait(timeout=120) == 3, t.stderr()[-3000:]
   assert "SIGTERM: saved" not in t.stdout()
-  assert f"non-finite parameters or optimizer state at step {stopped}" in t.stderr()
-  assert complete_steps(run_dir) == []
+  lines = _error_lines(t.stderr())
+  assert len(lines) == 1 and "non-finite parameters or optimizer state at step 1" in lines[0], lines
+  assert complete_steps(run_dir) == [] and metrics_steps(run_dir) == [1]
