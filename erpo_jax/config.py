@@ -12,6 +12,7 @@ import math
 from typing import Literal
 
 from erpo_jax.config_run import (
+  FLOAT32_MAX,
   CheckpointSection,
   EvalSection,
   ExperimentSection,
@@ -22,8 +23,6 @@ from erpo_jax.config_run import (
   check_field,
 )
 from erpo_jax.config_model import ModelSection
-
-FLOAT32_MAX = 3.4028234663852886e38  # optimizer hyperparameters above it are Inf in a float32 update
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,9 @@ from typing import Any, Literal
 from erpo_jax.errors import ConfigError
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # optimizer hyperparameters above it are Inf in a float32 update
+
+
 def check_field(cond: bool, key: str, expected: str, value: Any) -> None:
   """Raises ConfigError `key: expected <expected>, got <value>` unless cond."""
   if not cond:
