@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import pathlib
@@ -17,6 +18,10 @@ from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
 from erpo_jax.errors import PathError, write_error
+
+# A skipped update's NaN loss is written on purpose and the trainer names its step in one line; tensorboardX
+# would add a WARNING on stderr for every such scalar.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 METRICS_FILE = "metrics.jsonl"  # <run.dir>/metrics.jsonl: one {"step": k, ...} object per line
 TB_DIR = "tb"  # <run.dir>/tb

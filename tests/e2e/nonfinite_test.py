@@ -44,6 +44,7 @@ def test_skip_nonfinite_skips_exactly_that_update_and_finishes_finite(tmp_path):
   proc = tiny_runs.run_train(run_dir, *EVERY_STEP, "train.steps=4", "train.skip_nonfinite=true", nan_step=3)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "step 3: non-finite loss or gradients; update skipped" in proc.stdout
+  assert _error_lines(proc.stderr) == [], proc.stderr[-3000:]  # the step's NaN scalars are written without warnings
   assert complete_steps(run_dir) == [1, 2, 3, 4]
   _assert_every_checkpoint_finite(run_dir)
   for item in ("params", "opt_state"):  # step 3 changed nothing (not even Adam's step count); 4 did update
