@@ -3,8 +3,8 @@
 --nan-step K multiplies the rewards of step K by NaN, so the real update of that
 step sees a non-finite loss. --hold-step K --release FILE makes step K wait, after
 its rollout is scored, until FILE exists (a trainer held in the middle of its run,
-whatever the machine's speed; the run's numbers are unchanged); FILE.held appears when the wait begins. The remaining
-arguments go to the erpo-jax CLI.
+whatever the machine's speed; the run's numbers are unchanged); FILE.held appears when
+the wait begins. The remaining arguments go to the erpo-jax CLI.
 """
 
 import argparse

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from erpo_jax import allocator
-from erpo_jax.errors import NonFiniteError, PathError, UserError
+from erpo_jax.errors import PathError, UserError
 from erpo_jax.train import checkpoint_io as cio
 
 
@@ -90,12 +90,10 @@ class Checkpointer:
     if step in self.all_steps():
       return False
     trees = {"params": cio.pure(params), "opt_state": cio.pure(opt_state)}
-    summaries = {k: cio.summaries(t) for k, t in trees.items()}  # (checksums, all finite), one pass per tree
-    if not all(finite for _, finite in summaries.values()):
-      raise NonFiniteError(step, "parameters or optimizer state")
+    checksums = cio.finite_checksums(step, trees)  # one pass per tree
     meta = {"step": step, "fingerprint": self.fingerprint, "rng": cio.key_to_json(rng_key), "config": config_text,
             "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()},
-            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), summaries[k][0])]
+            "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), checksums[k])]
                           for k, t in trees.items()}}
     # Orbax refuses trees without leaves (optax.sgd's state); they hold nothing to save.
     items = {k: ocp.args.StandardSave(t) for k, t in trees.items() if jax.tree.leaves(t)}

@@ -17,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from erpo_jax.errors import PathError, UserError
+from erpo_jax.errors import NonFiniteError, PathError, UserError
 
 
 def checksums(tree) -> list[str]:
@@ -38,6 +38,16 @@ def summaries(tree) -> tuple[list[str], bool]:
     return [], True
   sums, finite = jax.device_get(_summaries(leaves))
   return [f"{int(a):08x}{int(b):08x}" for a, b in np.asarray(sums)], bool(np.all(finite))
+
+
+
+def finite_checksums(step: int, trees: dict) -> dict[str, list[str]]:
+  """`summaries` of each named tree (one pass each): its checksums; raises NonFiniteError naming `step` when a
+  tree holds NaN or Inf. The checkpoint save and the loop's skipped updates check the training state so."""
+  found = {k: summaries(t) for k, t in trees.items()}
+  if not all(finite for _, finite in found.values()):
+    raise NonFiniteError(step, "parameters or optimizer state")
+  return {k: sums for k, (sums, _) in found.items()}
 
 
 @jax.jit

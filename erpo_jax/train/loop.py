@@ -246,8 +246,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         if not cfg.train.skip_nonfinite:
           ckpt.wait()  # the last finite checkpoint is complete on disk before the run stops
           raise NonFiniteError(step)
-        if not all(cio.summaries(t)[1] for t in (params, opt_state)):  # skipping cannot mend weights already Inf
-          raise NonFiniteError(step, "parameters or optimizer state")
+        cio.finite_checksums(step, {"params": params, "opt_state": opt_state})  # skipping cannot mend Inf weights
         multihost.log(f"step {step}: non-finite loss or gradients; update skipped")
 
       if cfg.train.eval_every and step % cfg.train.eval_every == 0:
