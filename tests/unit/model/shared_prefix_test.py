@@ -221,6 +221,17 @@ def test_packed_streams_hold_whole_groups_and_fall_back_when_they_cannot():
   assert logprobs.choose_layout(12, S, capacity=40, streams=0, **kw) == logprobs.Layout(G, P, R)
 
 
+def test_packed_capacity_pads_under_a_sixteenth_of_the_power_of_two_with_at_most_8_values_an_octave():
+  assert [buckets.packed_capacity(n, 4096) for n in (1, 128, 129, 600, 1350, 1427, 1539, 1662, 2049)] == [
+      128, 128, 256, 640, 1408, 1536, 1664, 1664, 2304]
+  assert buckets.packed_capacity(3000, 2048) == 2048 and buckets.packed_capacity(20000, 10**6) == 20480
+  for n in range(1, 70000, 7):
+    c = buckets.packed_capacity(n, 10**6)
+    assert n <= c and c - n < max(128, buckets.power_of_two(n) // 16)
+  octave = {buckets.packed_capacity(n, 10**6) for n in range(4097, 8193)}
+  assert sorted(octave) == list(range(4608, 8193, 512))
+
+
 def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
   response_len = jnp.array([3, 0, 5, 2])
   idx, inv = shared_prefix.stream_index(response_len, R=5, C=12)
@@ -228,7 +239,6 @@ def test_stream_index_is_a_bijection_between_response_tokens_and_slots():
   assert idx[0].tolist() == [0, 1, 2, 12, 12] and idx[1].tolist() == [12] * 5
   assert idx[2].tolist() == [3, 4, 5, 6, 7] and idx[3].tolist() == [8, 9, 12, 12, 12]
   assert inv.tolist() == [0, 1, 2, 10, 11, 12, 13, 14, 15, 16, 20, 20]  # slots 10, 11 unused (K = 20)
-  assert buckets.packed_capacity(1427, 2048) == 1536 and buckets.packed_capacity(3000, 2048) == 2048
 
 
 @pytest.mark.slow

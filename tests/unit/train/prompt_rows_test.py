@@ -45,7 +45,7 @@ def test_the_update_on_cut_prompt_rows_equals_the_update_on_the_samplers_rows():
                                         param_shardings=inp.param_sh, opt_shardings=inp.opt_sh)
   copy = lambda tree: jax.tree.map(jnp.copy, tree)
   N, R = inp.shape["N"], cfg.rollout.max_new_tokens
-  capacity = buckets.packed_capacity(N * inp.shape["response_len"], N * R, multiple=8)
+  capacity = buckets.packed_capacity(N * inp.shape["response_len"], N * R, minimum=8)
   out = {P: step_fn(copy(inp.params), copy(inp.opt_state), None, inp.batch, P, capacity) for P in (64, 48)}
   for name in ("loss/total", "loss/pg", "kl/query", "optim/grad_norm", "weight/mean"):
     np.testing.assert_allclose(float(out[48][2][name]), float(out[64][2][name]), rtol=1e-5, atol=1e-7)

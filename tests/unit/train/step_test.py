@@ -297,9 +297,9 @@ def _check_sharded_steps(meshes, packed_meshes):
   # Packed responses: one stream on one device, one per batch shard on the meshes, the same update.
   base = out["packed (1, 1, 1)"]
   assert base["capacity"] < 4 * G * 16
-  # The loop's capacity (multiples of 256): one stream of 800 tokens -> 1024 slots; two streams of 640 and
-  # 160 -> 768 each; four of 320, 320, 80, 80 -> 512 each; none on 8 shards.
-  loop_capacity = {(1, 1, 1): 1024, (2, 1, 1): 768, (2, 2, 2): 512, (1, 2, 2): 768, (8, 1, 1): None}
+  # The loop's capacity (buckets.packed_capacity, multiples of 128 here): one stream of 800 tokens -> 896 slots;
+  # two streams of 640 and 160 -> 640 each; four of 320, 320, 80, 80 -> 384 each; none on 8 shards.
+  loop_capacity = {(1, 1, 1): 896, (2, 1, 1): 640, (2, 2, 2): 384, (1, 2, 2): 640, (8, 1, 1): None}
   for shape, streams in PACKED_SHAPES.items():
     if shape not in packed_meshes:
       continue
