@@ -57,7 +57,7 @@ def measure(kind: str, cfg, *, iters: int, warmup: int, out: str | None = None) 
   if kind == "greedy":
     return measure_greedy(cfg, iters=iters, warmup=warmup)
   if kind == "rl":
-    return measure_rl(cfg, iters=iters, warmup=warmup)
+    return with_local_peaks(measure_rl(cfg, iters=iters, warmup=warmup), bandwidth=False)
   if kind == "reference":
     return with_local_peaks(measure_reference(cfg, iters=iters, warmup=warmup), bandwidth=False)
   raise ValueError(f"bench worker: unknown kind {kind!r}")

@@ -143,6 +143,23 @@ def test_summary_divides_step_times_by_the_grpo_step():
   assert s["errors"] == 0
 
 
+def test_rl_floors_use_the_higher_of_the_device_line_and_a_peak_taken_in_the_rl_process_after_its_steps(tmp_path):
+  # As every other timed kind: a device line taken in a busy moment must not flatter the floors.
+  from erpo_jax.bench import worker
+  rec = worker.measure("rl", load_config(TINY, ["data.batch_size=2", "rollout.group_size=2",
+                                                "rollout.max_new_tokens=4", f"run.dir={tmp_path}"]),
+                       iters=1, warmup=1)
+  local = rec["local_peak_flops_per_s"]
+  assert local > 0 and rec["update_flops"] > 0 and rec["update_s"] > 0
+  low = dict(rec)
+  bench_floors.with_rl_floors(low, {"peak_flops_per_s_float32": local / 2})
+  assert low["peak_source"] == "same process, after the timed runs" and low["peak_flops_per_s"] == local
+  assert low["update_floor_s"] == pytest.approx(rec["update_flops"] / local)
+  high = dict(rec)
+  bench_floors.with_rl_floors(high, {"peak_flops_per_s_float32": local * 2})
+  assert high["peak_source"] == "device line" and high["update_floor_s"] == pytest.approx(rec["update_flops"] / local / 2)
+
+
 def test_rl_summary_leaves_out_the_warmup_steps():
   rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0, "time/to_first_step": 42.0},
           {"step": 2, "time/step": 3.0, "time/rollout": 1.0},
