@@ -40,7 +40,6 @@ def summaries(tree) -> tuple[list[str], bool]:
   return [f"{int(a):08x}{int(b):08x}" for a, b in np.asarray(sums)], bool(np.all(finite))
 
 
-
 def finite_checksums(step: int, trees: dict) -> dict[str, list[str]]:
   """`summaries` of each named tree (one pass each): its checksums; raises NonFiniteError naming `step` when a
   tree holds NaN or Inf. The checkpoint save and the loop's skipped updates check the training state so."""
