@@ -44,6 +44,13 @@ def allgather_rows(x_local: Any) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def all_processes(flag: bool) -> bool:
+  """True when `flag` holds on every process (a collective on several processes)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(allgather_rows(np.array([flag])).all())
+
+
 def _one_to_host_local(array: Any) -> np.ndarray:
   if array.is_fully_addressable:
     return np.asarray(array)

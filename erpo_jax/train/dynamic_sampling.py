@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from erpo_jax.data.pipeline import PromptBatch
+from erpo_jax.parallel import transfer
 from erpo_jax.reward.verifier import RewardResult
 from erpo_jax.train.batch import HostRollout
 
@@ -78,6 +80,16 @@ def fill(first: Drawn, draw: Callable[[int], Drawn], *, group_size: int, max_ext
       "sampling/drawn_rows": float(drawn_rewards.size),
   }
   return out, counts, rounds
+
+
+def sum_over_processes(counts: dict[str, float]) -> dict[str, float]:
+  """This process's counts of `fill` -> the counts of all processes (one collective on several processes)."""
+  if jax.process_count() == 1:
+    return counts
+  keys = sorted(counts)
+  total = transfer.allgather_rows(np.array([[counts[k] for k in keys]], np.float64)).sum(axis=0)
+  # Rounds are drawn by all processes together: the same on each, not a sum.
+  return {k: (counts[k] if k == "sampling/extra_rounds" else float(v)) for k, v in zip(keys, total)}
 
 
 def finalize(counts: dict[str, float]) -> dict[str, float]:

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-import signal
 import time
 from collections.abc import Callable
 
@@ -40,48 +39,11 @@ from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
+from erpo_jax.train.preemption import Preemption
 from erpo_jax.train.run_folder import RunLock, check_resume_config, prepare_run_dir, write_config
 
 
-# ----------------------------------------------------------------------------- preemption
-
-
-class _Preemption:
-  """SIGTERM sets a flag; the loop finishes the step, saves, and exits 0."""
-
-  def __init__(self):
-    self.requested = False
-    self._old = None
-
-  def __enter__(self):
-    self._old = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    signal.signal(signal.SIGTERM, self._old)
-
-
 # ----------------------------------------------------------------------------- the loop
-
-
-def _all_processes(flag: bool) -> bool:
-  """True when `flag` holds on every process (a collective on several processes)."""
-  if jax.process_count() == 1:
-    return flag
-  return bool(transfer.allgather_rows(np.array([flag])).all())
-
-
-def _sum_over_processes(counts: dict[str, float]) -> dict[str, float]:
-  if jax.process_count() == 1:
-    return counts
-  keys = sorted(counts)
-  total = transfer.allgather_rows(np.array([[counts[k] for k in keys]], np.float64)).sum(axis=0)
-  # Rounds are drawn by all processes together: the same on each, not a sum.
-  return {k: (counts[k] if k == "sampling/extra_rounds" else float(v)) for k, v in zip(keys, total)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +144,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
     index_log = open(index_path, "a", encoding="utf-8")
   G = cfg.rollout.group_size
   last: dict[str, float] = {}
-  with Verifier(resolve_extract(cfg).reward) as verifier, _Preemption() as preempt:
+  with Verifier(resolve_extract(cfg).reward) as verifier, Preemption() as preempt:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
       step_key = jax.random.fold_in(base_key, step)
@@ -210,8 +172,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       if cfg.rollout.dynamic_sampling:
         drawn, counts, rounds = dynamic_sampling.fill(drawn, draw, group_size=G,
                                                       max_extra_rounds=cfg.rollout.max_extra_rounds,
-                                                      pad_id=sampler.pad_id, all_full=_all_processes)
-        sampling = dynamic_sampling.finalize(_sum_over_processes(counts))
+                                                      pad_id=sampler.pad_id, all_full=transfer.all_processes)
+        sampling = dynamic_sampling.finalize(dynamic_sampling.sum_over_processes(counts))
       batch, host, texts, scored = drawn.batch, drawn.host, drawn.texts, drawn.scored
       # What the advantages see: the verifier's reward (the one dynamic sampling filters on, as DAPO filters
       # on accuracy) plus DAPO's overlong shaping.
