@@ -76,6 +76,27 @@ def test_auto_preloads_the_installed_mimalloc_before_an_existing_preload():
   assert env["ERPO_JAX_ALLOCATOR_REEXEC"] == "1" and os.path.isfile(lib)
 
 
+def _thp_enabled(env: dict) -> str | None:
+  """THP_enabled of /proc/self/status in a process started with `env` (None where the kernel has no such line)."""
+  code = "import re; m = re.search(r'THP_enabled:\\s*(\\d)', open('/proc/self/status').read()); print(m and m.group(1))"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  return None if out.stdout.strip() == "None" else out.stdout.strip()
+
+
+@needs_mimalloc
+def test_the_reexecuted_process_runs_without_transparent_huge_pages_unless_the_environment_asks_for_them():
+  # Huge page faults that compact memory stall the programs that take back what mimalloc handed to the kernel.
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP")
+  base = {k: v for k, v in os.environ.items() if k not in unset}
+  assert allocator.preload_environment(base)["MIMALLOC_ALLOW_THP"] == "0"
+  assert allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})["MIMALLOC_ALLOW_THP"] == "1"
+  if _thp_enabled(base) != "1":
+    pytest.skip("this kernel reports no THP_enabled, or has huge pages off already")
+  assert _thp_enabled(allocator.preload_environment(base)) == "0"  # mimalloc turned them off for the process
+  assert _thp_enabled(allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})) == "1"
+
+
 def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_variable(monkeypatch):
   monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
   assert allocator.preload_environment({}) is None  # auto: the C library's malloc
