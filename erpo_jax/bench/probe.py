@@ -74,11 +74,12 @@ def peak_memory() -> dict[str, int | None]:
 
 def device_info() -> dict[str, Any]:
   """Where a record was measured: the device, the host's CPU model and vector ISA (and the ISA XLA_FLAGS
-  holds XLA's CPU code to, if any), its CPU count and the host allocator."""
+  holds XLA's CPU code to, if any), its CPU count, the host allocator and whether transparent huge pages are off."""
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
           "cpu_model": machine.cpu_model(), "cpu_isa": machine.cpu_isa(), "xla_max_isa": machine.xla_max_isa(),
-          "host_cpus": os.cpu_count(), "allocator": allocator.in_use()}
+          "host_cpus": os.cpu_count(), "allocator": allocator.in_use(),
+          "huge_pages": allocator.huge_pages()}
 
 
 def matmul_peak(n: int, dtype, *, iters: int = 10, warmup: int = 2) -> dict[str, float]:

@@ -10,7 +10,7 @@ import pytest
 from erpo_jax import allocator
 
 # A jitted program whose temporary buffer is ~440 MB (a scan's stacked outputs, as in the update's layer
-# scan); the child prints the minor page faults of its second and third calls and the allocator in use.
+# scan); the child prints the minor page faults of its second, third and fourth calls and the allocator in use.
 PROGRAM = r"""
 import json, resource, sys
 from erpo_jax import allocator
@@ -28,18 +28,20 @@ def f(x):
 x = jnp.ones((2048, 1536))
 jax.block_until_ready(f(x))
 faults = []
-for _ in range(2):
+for _ in range(3):
   r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   jax.block_until_ready(f(x))
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-print(json.dumps({"allocator": allocator.in_use(), "faults": faults, "argv": sys.argv[1:]}))
+print(json.dumps({"allocator": allocator.in_use(), "faults": faults, "argv": sys.argv[1:],
+                  "huge_pages": allocator.huge_pages()}))
 """
 
 PAGES_OF_THE_BUFFER = 30 * 2048 * 1536 * 4 // 4096  # 92,160 pages of 4 KiB
 
 
 def _child(choice: str, *argv: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC")}
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
+  env = {k: v for k, v in os.environ.items() if k not in unset}  # the settings the command chooses
   env[allocator.ENV] = choice
   proc = subprocess.run([sys.executable, "-c", PROGRAM, *argv], env=env, capture_output=True, text=True,
                         timeout=300)
@@ -57,9 +59,13 @@ def test_a_reexecuted_process_runs_on_mimalloc_and_a_programs_later_calls_take_n
   system = _child("system")
   assert mi["allocator"] == "mimalloc" and mi["argv"] == ["--flag", "a b"]  # the same arguments after exec
   assert system["allocator"] == "system"
-  # The C library's malloc hands the buffer back and faults it in again on every call; mimalloc reuses it.
+  if allocator.huge_pages() == "allowed":  # this kernel says, and this process may use them
+    assert mi["huge_pages"] == "off" and system["huge_pages"] == "allowed"  # what bench records carry
+  # The C library's malloc hands the buffer back and faults it in again on every call; mimalloc reuses it. On a
+  # loaded machine a call may allocate its buffer before the previous call's is freed, and take a fresh one
+  # once (with huge pages off, that is one fault per 4 KiB page): two of the three calls take none.
   assert min(system["faults"]) > PAGES_OF_THE_BUFFER
-  assert max(mi["faults"]) < PAGES_OF_THE_BUFFER // 100, (mi, system)
+  assert sorted(mi["faults"])[1] < PAGES_OF_THE_BUFFER // 100, (mi, system)
 
 
 def test_system_or_a_preloaded_allocator_or_a_second_start_runs_as_it_is():
@@ -87,9 +93,11 @@ def _thp_enabled(env: dict) -> str | None:
 @needs_mimalloc
 def test_the_reexecuted_process_runs_without_transparent_huge_pages_unless_the_environment_asks_for_them():
   # Huge page faults that compact memory stall the programs that take back what mimalloc handed to the kernel.
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP")
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
   base = {k: v for k, v in os.environ.items() if k not in unset}
   assert allocator.preload_environment(base)["MIMALLOC_ALLOW_THP"] == "0"
+  assert allocator.preload_environment(base)["MIMALLOC_PURGE_DELAY"] == "1000"
+  assert allocator.preload_environment({**base, "MIMALLOC_PURGE_DELAY": "10"})["MIMALLOC_PURGE_DELAY"] == "10"
   assert allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})["MIMALLOC_ALLOW_THP"] == "1"
   if _thp_enabled(base) != "1":
     pytest.skip("this kernel reports no THP_enabled, or has huge pages off already")
@@ -144,7 +152,8 @@ print(json.dumps({"allocator": allocator.in_use(), "held": held, "freed": freed,
 
 
 def _retained(choice: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC")}
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
+  env = {k: v for k, v in os.environ.items() if k not in unset}  # the settings the command chooses
   env[allocator.ENV] = choice
   proc = subprocess.run([sys.executable, "-c", RETAINED], env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
