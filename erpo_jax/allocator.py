@@ -78,7 +78,6 @@ def in_use() -> str:
   return "system"
 
 
-
 def huge_pages() -> str | None:
   """'off' when transparent huge pages are turned off for this process (as mimalloc does with
   MIMALLOC_ALLOW_THP=0), 'allowed' otherwise (the system's setting then decides), None where the kernel does
@@ -89,6 +88,7 @@ def huge_pages() -> str | None:
     return None
   m = re.search(r"^THP_enabled:\s*(\d)", status, re.M)
   return None if m is None else ("allowed" if m.group(1) == "1" else "off")
+
 
 def choice(environ=os.environ) -> str:
   """ERPO_JAX_ALLOCATOR, checked: one of CHOICES (empty = auto)."""
