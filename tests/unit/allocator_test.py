@@ -39,9 +39,14 @@ print(json.dumps({"allocator": allocator.in_use(), "faults": faults, "argv": sys
 PAGES_OF_THE_BUFFER = 30 * 2048 * 1536 * 4 // 4096  # 92,160 pages of 4 KiB
 
 
+def _environment_without_the_commands_settings() -> dict[str, str]:
+  """This process's environment less what the command's re-execution sets, so a child gets its defaults."""
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", allocator.THP_ENV, allocator.PURGE_ENV)
+  return {k: v for k, v in os.environ.items() if k not in unset}
+
+
 def _child(choice: str, *argv: str) -> dict:
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
-  env = {k: v for k, v in os.environ.items() if k not in unset}  # the settings the command chooses
+  env = _environment_without_the_commands_settings()
   env[allocator.ENV] = choice
   proc = subprocess.run([sys.executable, "-c", PROGRAM, *argv], env=env, capture_output=True, text=True,
                         timeout=300)
@@ -82,9 +87,9 @@ def test_auto_preloads_the_installed_mimalloc_before_an_existing_preload():
   assert env["ERPO_JAX_ALLOCATOR_REEXEC"] == "1" and os.path.isfile(lib)
 
 
-def _thp_enabled(env: dict) -> str | None:
-  """THP_enabled of /proc/self/status in a process started with `env` (None where the kernel has no such line)."""
-  code = "import re; m = re.search(r'THP_enabled:\\s*(\\d)', open('/proc/self/status').read()); print(m and m.group(1))"
+def _huge_pages(env: dict) -> str | None:
+  """allocator.huge_pages() in a process started with `env`."""
+  code = "from erpo_jax import allocator; print(allocator.huge_pages())"
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
   return None if out.stdout.strip() == "None" else out.stdout.strip()
@@ -93,16 +98,15 @@ def _thp_enabled(env: dict) -> str | None:
 @needs_mimalloc
 def test_the_reexecuted_process_runs_without_transparent_huge_pages_unless_the_environment_asks_for_them():
   # Huge page faults that compact memory stall the programs that take back what mimalloc handed to the kernel.
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
-  base = {k: v for k, v in os.environ.items() if k not in unset}
+  base = _environment_without_the_commands_settings()
   assert allocator.preload_environment(base)["MIMALLOC_ALLOW_THP"] == "0"
   assert allocator.preload_environment(base)["MIMALLOC_PURGE_DELAY"] == "1000"
   assert allocator.preload_environment({**base, "MIMALLOC_PURGE_DELAY": "10"})["MIMALLOC_PURGE_DELAY"] == "10"
   assert allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})["MIMALLOC_ALLOW_THP"] == "1"
-  if _thp_enabled(base) != "1":
+  if _huge_pages(base) != "allowed":
     pytest.skip("this kernel reports no THP_enabled, or has huge pages off already")
-  assert _thp_enabled(allocator.preload_environment(base)) == "0"  # mimalloc turned them off for the process
-  assert _thp_enabled(allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})) == "1"
+  assert _huge_pages(allocator.preload_environment(base)) == "off"  # mimalloc turned them off for the process
+  assert _huge_pages(allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})) == "allowed"
 
 
 def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_variable(monkeypatch):
@@ -152,8 +156,7 @@ print(json.dumps({"allocator": allocator.in_use(), "held": held, "freed": freed,
 
 
 def _retained(choice: str) -> dict:
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", "MIMALLOC_ALLOW_THP", "MIMALLOC_PURGE_DELAY")
-  env = {k: v for k, v in os.environ.items() if k not in unset}  # the settings the command chooses
+  env = _environment_without_the_commands_settings()
   env[allocator.ENV] = choice
   proc = subprocess.run([sys.executable, "-c", RETAINED], env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
