@@ -19,17 +19,16 @@ inherit it. `ERPO_JAX_ALLOCATOR` chooses:
   mimalloc  mimalloc, or exit code 2 with one line saying what to install
   system    the C library's malloc, no re-execution
 
-mimalloc hands memory it has kept free back to the kernel shortly after a free, so a program that runs
-after another (the training loop runs the sampler, the update and the Policy-KL pass in turn) takes its
-buffers back through page faults. mimalloc also asks for transparent huge pages, and a huge page fault that
-has to compact memory first can stall: on a 2-core Intel Xeon virtual machine, first touching 1 GiB took
-0.14-2.6 s with huge pages and 0.33-0.42 s without. The re-executed process therefore runs with
-MIMALLOC_ALLOW_THP=0 (mimalloc then turns huge pages off for the whole process) unless the environment
-already sets it: the reference workload's RL step there went from 18.1-19.8 s to 16.9-17.3 s at the same
-peak RSS. It also sets MIMALLOC_PURGE_DELAY=1000 unless given: memory is handed back a second after it is
-freed rather than mimalloc's 10 ms, so a program called again at once (a loop of updates, an evaluation)
-finds its buffers still mapped (with both: 16.1 s a step, peak RSS 5.46 against 5.6-5.7 GB). Keeping
-freed memory for longer than a training step's phases saves more time but costs gigabytes of RSS.
+mimalloc hands memory it has kept free back to the kernel about a second after a free (its own default,
+MIMALLOC_PURGE_DELAY=1000 in mimalloc 3.4), so a program that runs after another (the training loop runs the
+sampler, the update and the Policy-KL pass in turn) takes its buffers back through page faults. mimalloc also
+asks for transparent huge pages, and a huge page fault that has to compact memory first can stall: on a 2-core
+Intel Xeon virtual machine, first touching 1 GiB took 0.14-2.6 s with huge pages and 0.33-0.42 s without. The
+re-executed process therefore runs with MIMALLOC_ALLOW_THP=0 (mimalloc then turns huge pages off for the whole
+process) unless the environment already sets it: the reference workload's RL step there went from 18.1-19.8 s
+to 16.1-17.5 s at the same peak RSS. Keeping freed memory for longer than a training step's phases
+(MIMALLOC_PURGE_DELAY=3600000) saves more time but costs gigabytes of RSS; the environment is passed on, so a
+user's MIMALLOC_* settings apply.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ ENV = "ERPO_JAX_ALLOCATOR"
 CHOICES = ("auto", "mimalloc", "system")
 _REEXECUTED = "ERPO_JAX_ALLOCATOR_REEXEC"  # set in the re-executed process: never exec twice
 THP_ENV = "MIMALLOC_ALLOW_THP"  # 0 (set on re-execution unless given): no transparent huge pages
-PURGE_ENV = "MIMALLOC_PURGE_DELAY"  # 1000 ms (set on re-execution unless given): freed memory kept a second
 # Allocators that keep freed memory mapped: one already preloaded (by the user or a launcher) is kept.
 _KNOWN = ("mimalloc", "tcmalloc", "jemalloc")
 
@@ -125,7 +123,6 @@ def preload_environment(environ=os.environ) -> dict[str, str] | None:
   env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
   env[_REEXECUTED] = "1"
   env.setdefault(THP_ENV, "0")
-  env.setdefault(PURGE_ENV, "1000")
   return env
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ PAGES_OF_THE_BUFFER = 30 * 2048 * 1536 * 4 // 4096  # 92,160 pages of 4 KiB
 
 def _environment_without_the_commands_settings() -> dict[str, str]:
   """This process's environment less what the command's re-execution sets, so a child gets its defaults."""
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", allocator.THP_ENV, allocator.PURGE_ENV)
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", allocator.THP_ENV, "MIMALLOC_PURGE_DELAY")
   return {k: v for k, v in os.environ.items() if k not in unset}
 
 
@@ -100,13 +101,30 @@ def test_the_reexecuted_process_runs_without_transparent_huge_pages_unless_the_e
   # Huge page faults that compact memory stall the programs that take back what mimalloc handed to the kernel.
   base = _environment_without_the_commands_settings()
   assert allocator.preload_environment(base)["MIMALLOC_ALLOW_THP"] == "0"
-  assert allocator.preload_environment(base)["MIMALLOC_PURGE_DELAY"] == "1000"
-  assert allocator.preload_environment({**base, "MIMALLOC_PURGE_DELAY": "10"})["MIMALLOC_PURGE_DELAY"] == "10"
   assert allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})["MIMALLOC_ALLOW_THP"] == "1"
   if _huge_pages(base) != "allowed":
     pytest.skip("this kernel reports no THP_enabled, or has huge pages off already")
   assert _huge_pages(allocator.preload_environment(base)) == "off"  # mimalloc turned them off for the process
   assert _huge_pages(allocator.preload_environment({**base, "MIMALLOC_ALLOW_THP": "1"})) == "allowed"
+
+
+def _purge_delay(env: dict) -> int:
+  """The purge delay that mimalloc reports (MIMALLOC_VERBOSE) in a process started with `env`."""
+  out = subprocess.run([sys.executable, "-c", "pass"], env={**env, "MIMALLOC_VERBOSE": "1"}, capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  return int(re.search(r"option 'purge_delay': (-?\d+)", out.stderr).group(1))
+
+
+@needs_mimalloc
+def test_the_reexecution_adds_only_the_preload_and_huge_pages_off_and_mimalloc_hands_memory_back_after_a_second():
+  # The module's docstring and the README rely on mimalloc's own purge delay: a second, not 10 ms.
+  base = _environment_without_the_commands_settings()
+  env = allocator.preload_environment(base)
+  assert {k: v for k, v in env.items() if base.get(k) != v} == {
+      "LD_PRELOAD": str(allocator.mimalloc_library()), "ERPO_JAX_ALLOCATOR_REEXEC": "1", "MIMALLOC_ALLOW_THP": "0"}
+  assert _purge_delay(env) == 1000
+  assert _purge_delay(allocator.preload_environment({**base, "MIMALLOC_PURGE_DELAY": "-1"})) == -1  # the user's
 
 
 def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_variable(monkeypatch):
