@@ -64,6 +64,8 @@ SPEC_SCALARS = (
     "time/reward",
     "time/reference",
     "time/update",
+    "host/page_faults",  # minor page faults of the trainer process during the step (all threads)
+    "host/system_s",  # CPU seconds the kernel spent for the trainer process during the step
     "eval/gap",  # train accuracy - eval accuracy, on steps where eval runs
 )
 

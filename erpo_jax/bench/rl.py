@@ -2,7 +2,8 @@
 
 Runs `trainer.train` in this process on a throw-away run folder and reads the
 per-step times the loop itself logs (time/rollout, time/reward, time/update,
-time/step in metrics.jsonl); the first `warmup` steps (compilation) are left out.
+time/step in metrics.jsonl, with host/page_faults and host/system_s); the first `warmup` steps
+(compilation) are left out.
 The loop checkpoints only after its last step, outside the timed steps. The time to
 the first step (time/to_first_step: set-up and compilation) is reported apart, beside
 the record's `compile_cache` counts: run the bench twice for a cold and a warm cache.
@@ -51,6 +52,10 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
   out["to_first_step_s"] = rows[0].get("time/to_first_step") if rows else None
   tps = [r["perf/tokens_per_s"] for r in timed if "perf/tokens_per_s" in r]
   out["tokens_per_s"] = bench_probe.median(tps) if tps else None
+  # The trainer's minor page faults and the kernel's CPU seconds per step: what memory taken back costs.
+  for k in ("host/page_faults", "host/system_s"):
+    vals = [r[k] for r in timed if k in r]
+    out[k.replace("host/", "") + "_per_step"] = bench_probe.median(vals) if vals else None
   rl = [r["response/len_mean"] for r in timed if "response/len_mean" in r]
   out["response_len_mean"] = sum(rl) / len(rl) if rl else None
   return out

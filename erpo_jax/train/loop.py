@@ -149,6 +149,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   with Verifier(resolve_extract(cfg).reward) as verifier, Preemption() as preempt:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
+      faults0, system0 = allocator.process_usage()
       step_key = jax.random.fold_in(base_key, step)
       seconds = {"rollout": 0.0, "reward": 0.0}  # summed over the rounds drawn
 
@@ -204,6 +205,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                response_capacity(cfg, host, mesh))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
+      faults4, system4 = allocator.process_usage()
       if step == start + 1:
         multihost.log(_first_step_line(step, t_start, t0, t4))
       if not finite:
@@ -227,7 +229,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                     penalty_N))
         last.update(sampling)
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
-                     "time/update": t4 - t3, "time/step": t4 - t0})
+                     "time/update": t4 - t3, "time/step": t4 - t0,
+                     "host/page_faults": faults4 - faults0, "host/system_s": system4 - system0})
         if step == start + 1:  # set-up and compilation included: cold vs warm compilation cache
           last["time/to_first_step"] = t4 - t_start
         last.update(evaluation)

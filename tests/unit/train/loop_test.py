@@ -24,6 +24,9 @@ def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp
   assert [r["step"] for r in rows] == [1, 2]
   # The first step of an invocation also says how long set-up and compilation took.
   assert rows[0]["time/to_first_step"] > rows[0]["time/step"] > 0 and "time/to_first_step" not in rows[1]
+  # What the step cost the kernel: the first step compiles and touches its buffers for the first time.
+  assert all(isinstance(r["host/page_faults"], int) and r["host/system_s"] >= 0 for r in rows)
+  assert rows[0]["host/page_faults"] > rows[1]["host/page_faults"] >= 0
   first = [line for line in capsys.readouterr().out.splitlines() if "is this run's first" in line]
   assert len(first) == 1 and first[0].startswith("step 1 is this run's first: it ended ")
   tb = read_tensorboard_scalars(tmp_path / "a" / "tb")
