@@ -123,8 +123,9 @@ def metrics_steps(run_dir) -> list[int]:
 
 
 def deterministic(row: dict) -> dict:
-  """A metrics row without wall-clock timings, which differ between runs of the same computation."""
-  return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+  """A metrics row without wall-clock timings and host counters (page faults, kernel time), which differ between
+  runs of the same computation."""
+  return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "host/"))}
 
 
 def complete_steps(run_dir) -> list[int]:

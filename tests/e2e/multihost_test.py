@@ -119,7 +119,7 @@ def test_two_processes_log_the_losses_and_metrics_of_one_process(runs):
               "reward/accuracy", "response/len_mean", "weight/mean", "prompt_nll/mean", "optim/grad_norm"):
       assert k in a, k
     differ = {k: (a[k], b[k]) for k in a
-              if not k.startswith(("time/", "perf/")) and not abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k]))}
+              if not k.startswith(("time/", "perf/", "host/")) and not abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k]))}
     assert not differ, f"step {a['step']}: {differ}"
   assert one[-1]["kl/query"] > 1e-4  # the policy has moved: the comparison is not of zeros
   # Console output comes from process 0 only.
@@ -238,7 +238,7 @@ def test_dynamic_sampling_on_two_processes_draws_the_rounds_and_logs_the_metrics
     assert a["sampling/extra_prompts"] == b["sampling/extra_prompts"] == 2  # data.batch_size prompts, globally
     assert a["sampling/unfilled_groups"] == b["sampling/unfilled_groups"] == 2
     differ = {k: (a[k], b[k]) for k in a
-              if not k.startswith(("time/", "perf/")) and not abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k]))}
+              if not k.startswith(("time/", "perf/", "host/")) and not abs(a[k] - b[k]) <= TOL * max(1.0, abs(a[k]))}
     assert not differ, f"step {a['step']}: {differ}"
   read = lambda d, p: [json.loads(l) for l in (d / f"data_indices.process{p}.jsonl").read_text().splitlines()]
   whole, parts = read(one, 0), [read(two, p) for p in range(2)]
