@@ -27,8 +27,9 @@ Intel Xeon virtual machine, first touching 1 GiB took 0.14-2.6 s with huge pages
 re-executed process therefore runs with MIMALLOC_ALLOW_THP=0 (mimalloc then turns huge pages off for the whole
 process) unless the environment already sets it: the reference workload's RL step there went from 18.1-19.8 s
 to 16.1-17.5 s at the same peak RSS. Keeping freed memory for longer than a training step's phases
-(MIMALLOC_PURGE_DELAY=3600000) saves more time but costs gigabytes of RSS; the environment is passed on, so a
-user's MIMALLOC_* settings apply.
+(MIMALLOC_PURGE_DELAY=3600000) costs gigabytes of RSS and made the step faster in some hours there (14.2-14.5
+against 17.5-18.8 s) but not in another (17.4 s both); the environment is passed on, so a user's MIMALLOC_*
+settings apply.
 """
 
 from __future__ import annotations
