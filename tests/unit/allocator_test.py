@@ -88,12 +88,17 @@ def test_auto_preloads_the_installed_mimalloc_before_an_existing_preload():
   assert env["ERPO_JAX_ALLOCATOR_REEXEC"] == "1" and os.path.isfile(lib)
 
 
-def _huge_pages(env: dict) -> str | None:
-  """allocator.huge_pages() in a process started with `env`."""
-  code = "from erpo_jax import allocator; print(allocator.huge_pages())"
+def _python(code: str, env: dict) -> subprocess.CompletedProcess:
+  """`python -c code` started with `env`, checked to exit 0."""
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
-  return None if out.stdout.strip() == "None" else out.stdout.strip()
+  return out
+
+
+def _huge_pages(env: dict) -> str | None:
+  """allocator.huge_pages() in a process started with `env`."""
+  out = _python("from erpo_jax import allocator; print(allocator.huge_pages())", env).stdout.strip()
+  return None if out == "None" else out
 
 
 @needs_mimalloc
@@ -110,9 +115,7 @@ def test_the_reexecuted_process_runs_without_transparent_huge_pages_unless_the_e
 
 def _purge_delay(env: dict) -> int:
   """The purge delay that mimalloc reports (MIMALLOC_VERBOSE) in a process started with `env`."""
-  out = subprocess.run([sys.executable, "-c", "pass"], env={**env, "MIMALLOC_VERBOSE": "1"}, capture_output=True,
-                       text=True, timeout=60)
-  assert out.returncode == 0, out.stderr
+  out = _python("pass", {**env, "MIMALLOC_VERBOSE": "1"})
   return int(re.search(r"option 'purge_delay': (-?\d+)", out.stderr).group(1))
 
 
