@@ -70,15 +70,21 @@ def load_peer(path: str) -> dict[str, Any]:
     raise DataError(f"--against '{path}': expected a JSON object (the summary of {SCRIPT}), "
                     f"got {type(summary).__name__}")
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
-  cpu, isa = host.get("cpu_model"), host.get("torch_cpu_capability")
+  cpu, isa, alloc = host.get("cpu_model"), host.get("torch_cpu_capability"), host.get("allocator")
+  text_or_none = lambda x: x if isinstance(x, str) and x else None
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
-          "cpu_model": cpu if isinstance(cpu, str) and cpu else None, "host_cpus": host.get("cpus"),
-          "isa": isa if isinstance(isa, str) and isa else None,
+          "cpu_model": text_or_none(cpu), "host_cpus": host.get("cpus"), "isa": text_or_none(isa),
+          "allocator": text_or_none(alloc),  # absent from summaries written before the harness recorded it
+          "allocator_env": host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {},
           "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
 
 
 def _ratio(a: float | None, b: float) -> float | None:
   return None if a is None else a / b
+
+
+def _malloc(name: str) -> str:
+  return "the C library's malloc" if name == "system" else name
 
 
 def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[str, Any]:
@@ -110,13 +116,18 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
   if platform == "cpu" and ours_isa and peer_isa and ours_isa != peer_isa:
     warnings.append(f"erpo-jax's CPU code ran as {ours_isa} and the peer's torch kernels as {peer_isa}: the ratios "
                     f"compare different instruction sets")
+  ours_alloc, peer_alloc = rl.get("allocator"), peer["allocator"]
+  if platform == "cpu" and ours_alloc and peer_alloc and ours_alloc != peer_alloc:
+    warnings.append(f"erpo-jax ran on {_malloc(ours_alloc)} and the peer on {_malloc(peer_alloc)}: the ratios "
+                    f"include the allocators' difference (scripts/peers/README.md runs the peer on mimalloc)")
   if peer["device"] is not None and peer["device"] != platform:
     warnings.append(f"erpo-jax ran on {platform} ({kind}) and the peer on {peer['device']}: the ratios compare "
                     f"different devices")
   return {"peer": peer["framework"], "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
-          "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind, "isa": isa},
+          "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind, "isa": isa,
+                                   "allocator": ours_alloc},
                       "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"],
-                               "isa": peer["isa"]}},
+                               "isa": peer["isa"], "allocator": peer_alloc, "allocator_env": peer["allocator_env"]}},
           "warnings": warnings}
 
 
@@ -125,7 +136,7 @@ def report(rec: dict[str, Any]) -> list[str]:
   shown = ", ".join(f"{name.replace('_rss', ' RSS')} {v:.2f}x" for name, v in rec["ratios"].items() if v is not None)
   m = rec["machine"]
   def on(side: dict[str, Any], device: str | None) -> str:
-    return ", ".join(x for x in (device or "unknown", side.get("isa")) if x)
+    return ", ".join(x for x in (device or "unknown", side.get("isa"), side.get("allocator")) if x)
 
   where = (f"erpo-jax on {m['erpo_jax']['cpu_model']} ({on(m['erpo_jax'], m['erpo_jax']['platform'])}), "
            f"{rec['peer']} on {m['peer']['cpu_model'] or 'an unnamed CPU'} ({on(m['peer'], m['peer']['device'])})")

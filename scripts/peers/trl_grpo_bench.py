@@ -149,6 +149,29 @@ def cpu_model():
     return platform.processor() or platform.machine() or "unknown"
 
 
+def allocator():
+    """The malloc this process runs on: a preloaded library's name (mimalloc, tcmalloc, jemalloc) or "system".
+
+    erpo-jax's command preloads mimalloc by itself; on the C library's malloc a process faults in the pages of
+    each large buffer it frees and allocates again, so `bench --against` names both sides' allocators.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux: what LD_PRELOAD asks for
+        maps = os.environ.get("LD_PRELOAD", "")
+    for known in ("mimalloc", "tcmalloc", "jemalloc"):  # the names erpo_jax.allocator.in_use() gives
+        if f"lib{known}" in maps:
+            return known
+    return "system"
+
+
+def faults_and_system_s():
+    """(minor page faults, kernel CPU s) of this process so far, all threads."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_stime
+
+
 def cpu_snapshot():
     """(busy CPU s of all processes, hypervisor steal s, this process's CPU s, wall) from /proc/stat."""
     with open("/proc/stat") as f:
@@ -170,6 +193,8 @@ class StepRecorder(TrainerCallback):
         self.end = {}
         self.rss_peak = {}
         self.logs = {}
+        self.usage_begin = {}
+        self.usage = {}  # step -> (page faults, kernel CPU s) within it
 
     def on_train_begin(self, args, state, control, **kw):
         self.t_train_begin = time.perf_counter()
@@ -178,10 +203,13 @@ class StepRecorder(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         self.begin[state.global_step + 1] = time.perf_counter()
+        self.usage_begin[state.global_step + 1] = faults_and_system_s()
         self.rss.reset()
 
     def on_step_end(self, args, state, control, **kw):
         self.end[state.global_step] = time.perf_counter()
+        (f0, s0), (f1, s1) = self.usage_begin[state.global_step], faults_and_system_s()
+        self.usage[state.global_step] = (f1 - f0, s1 - s0)
         self.rss_peak[state.global_step] = self.rss.peak
         if state.global_step == self.warmup:
             self.cpu_at_timed_start = cpu_snapshot()
@@ -373,6 +401,8 @@ def main():
             "optimizer_and_misc_s": update - train_fwd_bwd,
             "outside_step_s": wall - inner,
             "rss_peak_mb": rec.rss_peak.get(k, 0) / 2**20,
+            "page_faults": rec.usage[k][0],
+            "system_s": rec.usage[k][1],
             **trainer.tok[k],
             "reward": lg.get("reward"),
             "kl": lg.get("kl"),
@@ -408,7 +438,11 @@ def main():
                  # variables that hold its MKL and oneDNN products to an ISA, where set
                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
-                                                        "ONEDNN_MAX_CPU_ISA") if k in os.environ}},
+                                                        "ONEDNN_MAX_CPU_ISA") if k in os.environ},
+                 # the malloc under torch's CPU tensors, and its settings where given
+                 "allocator": allocator(),
+                 "allocator_env": {k: v for k, v in os.environ.items()
+                                   if k.startswith(("MIMALLOC_", "MALLOC_", "JE_MALLOC_", "TCMALLOC_"))}},
         "versions": {
             "torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
             "datasets": datasets.__version__,
@@ -442,6 +476,9 @@ def main():
                               if (rw := [r["reward"] for r in timed if r["reward"] is not None]) else None),
         "prompt_tokens_mean": round(statistics.fmean(r["prompt_tokens_mean"] for r in timed), 2),
         "peak_rss_mb": round(peak_rss_mb, 1),
+        # minor page faults and kernel CPU seconds of this process within each timed step
+        "page_faults_per_step": stats([r["page_faults"] for r in timed]),
+        "system_s_per_step": stats([r["system_s"] for r in timed]),
         "peak_rss_timed_steps_mb": round(max(r["rss_peak_mb"] for r in timed), 1),
         "timed_cpu_cores_self": round(self_cores, 3),
         "timed_cpu_cores_other_procs": round(other_cores, 3),

@@ -71,6 +71,24 @@ def test_erpo_jax_held_to_avx2_against_a_peer_on_avx512_kernels_is_a_warning(tmp
   assert peer.compare(unheld, peer.load_peer(_write(tmp_path, summary)), CPU)["warnings"] == []
 
 
+def test_a_peer_on_another_allocator_is_a_warning_and_a_summary_without_one_is_none(tmp_path):
+  on_glibc = {**SUMMARY, "host": {**SUMMARY["host"], "allocator": "system"}}
+  ours = {**RL, "allocator": "mimalloc"}
+  rec = peer.compare(ours, peer.load_peer(_write(tmp_path, on_glibc)), CPU)
+  assert rec["warnings"] == ["erpo-jax ran on mimalloc and the peer on the C library's malloc: the ratios include "
+                             "the allocators' difference (scripts/peers/README.md runs the peer on mimalloc)"]
+  assert (rec["machine"]["erpo_jax"]["allocator"], rec["machine"]["peer"]["allocator"]) == ("mimalloc", "system")
+  assert "(cpu, mimalloc)" in peer.report(rec)[-1] and "(cpu, system)" in peer.report(rec)[-1]
+  assert rec["ratios"]["step"] == 0.5  # still computed
+  on_mimalloc = {**SUMMARY, "host": {**SUMMARY["host"], "allocator": "mimalloc",
+                                     "allocator_env": {"MIMALLOC_PURGE_DELAY": "-1"}}}
+  rec = peer.compare(ours, peer.load_peer(_write(tmp_path, on_mimalloc)), CPU)
+  assert rec["warnings"] == [] and rec["machine"]["peer"]["allocator_env"] == {"MIMALLOC_PURGE_DELAY": "-1"}
+  # Summaries written before the harness recorded its allocator: nothing is claimed either way.
+  rec = peer.compare(ours, peer.load_peer(_write(tmp_path, SUMMARY)), CPU)
+  assert rec["warnings"] == [] and rec["machine"]["peer"]["allocator"] is None
+
+
 def test_the_printed_log_is_read_from_its_last_summary_line(tmp_path):
   log = ("[step] {...}\nSUMMARY_JSON " + json.dumps({**SUMMARY, "step_wall_s": {"median": 80.0}})
          + "\nSUMMARY_JSON " + json.dumps(SUMMARY) + "\n")
