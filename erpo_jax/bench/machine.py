@@ -49,8 +49,8 @@ def xla_max_isa(xla_flags: str | None = None) -> str | None:
   """The ISA XLA's CPU backend is held to by --xla_cpu_max_isa in XLA_FLAGS (the last one given), else None.
 
   The flag holds the code XLA generates (fusions) but not its matmul library: on an AVX-512 machine the
-  products still run at the AVX-512 speed, so a run held to AVX2 does not stand for an AVX2 machine (README,
-  Performance). Records carry it so that a run made with it says so."""
+  products still run at the AVX-512 speed, so a run held to AVX2 does not stand for an AVX2 machine
+  (docs/PERFORMANCE.md). Records carry it so that a run made with it says so."""
   flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
   limit = None
   for i, word in enumerate(words := shlex.split(flags)):

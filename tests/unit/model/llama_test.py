@@ -197,7 +197,7 @@ def test_bf16_lm_head_logits_and_gradients_match_float64_products_of_the_bf16_va
 @CPU_ONLY
 def test_no_product_of_a_bf16_layer_gradient_contracts_its_left_operands_first_axis_on_the_cpu():
   """XLA's CPU runs bf16 products with float32 sums in its fast kernels only when the left operand contracts
-  its last axis; otherwise it converts both operands to float32 (README, Performance). The whole gradient
+  its last axis; otherwise it converts both operands to float32 (docs/PERFORMANCE.md). The whole gradient
   of a bf16 layer stack with remat, as the update computes it, has no product of the other form."""
   net = tiny("tiny_llama", dtype="bfloat16", param_dtype="float32", remat="dots")
   tokens = jnp.asarray(reference("tiny_llama")["tokens"])
