@@ -53,6 +53,10 @@ def _figure(summary: dict, key: str, path: str) -> float:
   return float(value)
 
 
+def _text(x: Any) -> str | None:
+  return x if isinstance(x, str) and x else None
+
+
 def load_peer(path: str) -> dict[str, Any]:
   """The peer's figures and where they were measured; one-line PathError / DataError naming the file and key."""
   try:
@@ -71,10 +75,9 @@ def load_peer(path: str) -> dict[str, Any]:
                     f"got {type(summary).__name__}")
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
   cpu, isa, alloc = host.get("cpu_model"), host.get("torch_cpu_capability"), host.get("allocator")
-  text_or_none = lambda x: x if isinstance(x, str) and x else None
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
-          "cpu_model": text_or_none(cpu), "host_cpus": host.get("cpus"), "isa": text_or_none(isa),
-          "allocator": text_or_none(alloc),  # absent from summaries written before the harness recorded it
+          "cpu_model": _text(cpu), "host_cpus": host.get("cpus"), "isa": _text(isa),
+          "allocator": _text(alloc),  # absent from summaries written before the harness recorded it
           "allocator_env": host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {},
           "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
 
