@@ -439,10 +439,12 @@ def main():
                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
                                                         "ONEDNN_MAX_CPU_ISA") if k in os.environ},
-                 # the malloc under torch's CPU tensors, and its settings where given
+                 # the malloc under torch's CPU tensors, and its settings where given (THP_MEM_ALLOC_ENABLE:
+                 # torch's own switch that asks for transparent huge pages for its large CPU tensors)
                  "allocator": allocator(),
                  "allocator_env": {k: v for k, v in os.environ.items()
-                                   if k.startswith(("MIMALLOC_", "MALLOC_", "JE_MALLOC_", "TCMALLOC_"))}},
+                                   if k.startswith(("MIMALLOC_", "MALLOC_", "JE_MALLOC_", "TCMALLOC_"))
+                                   or k == "THP_MEM_ALLOC_ENABLE"}},
         "versions": {
             "torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
             "datasets": datasets.__version__,
