@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from erpo_jax import allocator
 from erpo_jax.bench import machine
 from erpo_jax.data.pipeline import make_train_iterator
+from erpo_jax.model import cpu_kernel
 from erpo_jax.model.io.loading import load_model
 from erpo_jax.model.llama import dense
 
@@ -74,12 +75,13 @@ def peak_memory() -> dict[str, int | None]:
 
 def device_info() -> dict[str, Any]:
   """Where a record was measured: the device, the host's CPU model and vector ISA (and the ISA XLA_FLAGS
-  holds XLA's CPU code to, if any), its CPU count, the host allocator and whether transparent huge pages are off."""
+  holds XLA's CPU code to, if any), its CPU count, the host allocator, whether transparent huge pages are off, and
+  whether decode's products run through erpo-jax's CPU kernel (`model/cpu_kernel.py`)."""
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
           "cpu_model": machine.cpu_model(), "cpu_isa": machine.cpu_isa(), "xla_max_isa": machine.xla_max_isa(),
           "host_cpus": os.cpu_count(), "allocator": allocator.in_use(),
-          "huge_pages": allocator.huge_pages()}
+          "huge_pages": allocator.huge_pages(), "cpu_kernel": cpu_kernel.status()}
 
 
 def matmul_peak(n: int, dtype, *, iters: int = 10, warmup: int = 2) -> dict[str, float]:

@@ -10,6 +10,10 @@ streams W in place and packs only the small x^T. So the per-layer weights are
 transposed once per `generate` (`decode_layers`), and the activations stay
 transposed through the layer; only the attention and the cache write see the
 [N, ...] layout, as small transposes.
+
+On one CPU device in float32 the products run through our own kernel instead
+(`cpu_kernel`): `decode_layers` packs each matrix into its panels, once per
+`generate`, in place of the transpose, and `mm` calls the kernel.
 """
 
 from __future__ import annotations
@@ -17,19 +21,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from erpo_jax.model.cpu_bf16 import matmul_rounded as mm
+from erpo_jax.model import cpu_kernel
+from erpo_jax.model.cpu_bf16 import matmul_rounded
 from erpo_jax.model.kv_cache import GroupKVCache, KVCache
 
 _NAMES = ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
 
 
 def decode_layers(layer_params: dict, num_layers: int, dtype) -> list[dict]:
-  """Each layer's weights as arrays of their own, matrices as [out, in] in the compute dtype.
+  """Each layer's weights as arrays of their own, matrices as [out, in] in the compute dtype (or packed for
+  `cpu_kernel` where it applies).
 
   Decoding with the layer scan would slice, i.e. copy, each layer's weights
   out of the stacked params on every token step; these copies are made once
   per loop and then read in place.
   """
+  kernel = cpu_kernel.usable(dtype)
   layers = []
   for i in range(num_layers):
     p = {n: w[i] for n, w in layer_params.items()}
@@ -37,9 +44,16 @@ def decode_layers(layer_params: dict, num_layers: int, dtype) -> list[dict]:
     for n in _NAMES:
       w = p[n].astype(dtype)
       fan_in = w.shape[0] * (w.shape[1] if n == "wo" else 1)  # wo is [H, Dh, D]
-      out[n] = w.reshape(fan_in, -1).T
+      out[n] = cpu_kernel.pack(w.reshape(fan_in, -1)) if kernel else w.reshape(fan_in, -1).T
     layers.append(out)
   return layers
+
+
+def mm(w_OxI: jax.Array | cpu_kernel.Panels, xT_IxN: jax.Array) -> jax.Array:
+  """W @ x^T of a `decode_layers` matrix: [out, N]."""
+  if isinstance(w_OxI, cpu_kernel.Panels):
+    return cpu_kernel.matmul(w_OxI, xT_IxN)
+  return matmul_rounded(w_OxI, xT_IxN)
 
 
 def rms_norm_cols(xT_DxN: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
@@ -81,4 +95,5 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache | GroupKVCache, cos_
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
   gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]
   return hT_DxN + mm(p["w_down"], jax.nn.silu(gT) * uT), cache
+
 

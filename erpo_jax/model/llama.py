@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from erpo_jax.model import cpu_bf16
+from erpo_jax.model import cpu_bf16, cpu_kernel
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols
 from erpo_jax.model.kv_cache import GroupKVCache, KVCache
@@ -157,11 +157,20 @@ class Transformer(nnx.Module):
     """Float32 logits [N, S, V]; only for small S (decode, tests)."""
     return jnp.einsum("nsd,vd->nsv", h_NxSxD, self.unembed_rows(), preferred_element_type=jnp.float32)
 
-  def logits_columns(self, hT_DxN: jax.Array, unembed_VxD: jax.Array | None = None) -> jax.Array:
+  def logits_columns(self, hT_DxN: jax.Array, unembed_VxD: jax.Array | cpu_kernel.Panels | None = None) -> jax.Array:
     """Float32 logits [V, N] of column-major hidden states (`decode_columns`): E [V, D] @ h^T, which XLA's
-    CPU matmul runs without repacking E, unlike h @ E^T."""
+    CPU matmul runs without repacking E, unlike h @ E^T; or `decode_unembed`'s panels through the kernel."""
     w = self.unembed_rows() if unembed_VxD is None else unembed_VxD
+    if isinstance(w, cpu_kernel.Panels):
+      return cpu_kernel.matmul(w, hT_DxN)
     return jnp.matmul(w, hT_DxN, preferred_element_type=jnp.float32)
+
+  def decode_unembed(self) -> jax.Array | cpu_kernel.Panels:
+    """The unembedding as `logits_columns` reads it in a decode loop: `unembed_rows`, or packed for
+    `cpu_kernel` where it applies; make it once outside a loop."""
+    if cpu_kernel.usable(self.dtype):
+      return cpu_kernel.pack_rows(self.unembed_rows())
+    return self.unembed_rows()
 
   # --- KV cache
 

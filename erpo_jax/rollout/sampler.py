@@ -192,7 +192,7 @@ class Sampler:
       t, _, _, _, done_N, _ = carry
       return (t < M - 1) & ~jnp.all(done_N)
 
-    layers, unembed_VxD = model.decode_layers(), model.unembed_rows()
+    layers, unembed_VxD = model.decode_layers(), model.decode_unembed()
     slot_T = jnp.arange(P + M)
 
     def body(carry):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from erpo_jax.model import decode
+from erpo_jax.model import cpu_kernel, decode
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.llama import apply_rope, init_random, rms_norm, rope_tables
 
@@ -26,9 +26,10 @@ def test_column_norm_and_rope_equal_the_row_versions():
   np.testing.assert_allclose(jnp.transpose(rope_cols, (2, 0, 1)), rope_rows, rtol=1e-6, atol=1e-6)
 
 
-def test_decode_layers_are_each_layers_matrices_transposed_to_out_by_in():
+def test_without_the_cpu_kernel_decode_layers_are_each_layers_matrices_transposed_to_out_by_in():
   m = init_random(CFG, seed=0)
-  layers = m.decode_layers()
+  with cpu_kernel.forced(False):
+    layers = m.decode_layers()
   assert len(layers) == CFG.num_layers
   p = m._layer_params()
   D, H, K, Dh, F = 32, 4, 2, 8, 48

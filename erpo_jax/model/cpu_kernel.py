@@ -1,0 +1,190 @@
+"""Decode's products on the CPU through a kernel of our own: y [out, N] = W [out, in] @ x [in, N] in float32.
+
+Why: a decode step multiplies a few dozen columns by every weight matrix, so it
+is bound by how fast the weights stream in. XLA's CPU dot reads them at about
+6-7 GB/s at 32 columns, whatever the operand layout (docs/PERFORMANCE.md,
+"Where the rollout stops on a CPU"). `cpu_decode_matmul.cc` reads W packed in
+panels of R rows stored k-major (`pack`, once per `generate`), each panel one
+contiguous stream times R x 32 register accumulators, and shares the panels out
+over XLA's own intra-op threads.
+
+It is C++ against the XLA FFI headers jaxlib ships, built on first use with the
+host's C++ compiler ($CXX, else c++, g++ or clang++) for this CPU
+(-march=native: AVX-512F, or AVX2 with FMA) and kept in
+$XDG_CACHE_HOME/erpo-jax/native (~/.cache/erpo-jax/native), keyed by the
+source, the compiler, jaxlib and the CPU. Decode uses it when the backend is
+the CPU with one device, the compute dtype is float32 and it builds;
+ERPO_JAX_CPU_KERNEL=off turns it off. Otherwise decode runs XLA's dot as
+before (one line on stderr says why when a build fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+ENV = "ERPO_JAX_CPU_KERNEL"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_matmul.cc")
+TARGET = "erpo_decode_matmul_v1"  # the name compiled programs call; a new ABI takes a new name
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+_lib: tuple[ctypes.CDLL, int] | None = None
+_why_not: str | None = None
+_forced: bool | None = None
+_lock = threading.Lock()  # one build and one registration, whichever thread traces first
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Panels:
+  """A weight matrix packed for the kernel: panels [ceil(rows / R), in, R], panels[p, k, i] = W[p R + i, k]."""
+  panels: jax.Array
+  rows: int = dataclasses.field(metadata=dict(static=True))
+
+
+def cache_dir(environ=os.environ) -> str:
+  base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "erpo-jax", "native")
+
+
+def compiler(environ=os.environ) -> str | None:
+  if environ.get("CXX"):
+    return shutil.which(environ["CXX"])
+  return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+def _cpu_id() -> str:
+  """This CPU's model and feature flags: -march=native code is built for them."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+    return "".join(sorted(set(lines)))
+  except OSError:
+    return platform.processor() + platform.machine()
+
+
+def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
+  """Builds the kernel into out_dir (once per key) and returns the library's path; raises RuntimeError with
+  the compiler's last lines when it does not build."""
+  import jaxlib  # noqa: F401  -- only here: its version keys the build
+
+  with open(SOURCE, "rb") as f:
+    source = f.read()
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+  key = hashlib.sha256(b"\0".join([source, repr((version, jaxlib.__version__, FLAGS, extra_flags)).encode(),
+                                  _cpu_id().encode()])).hexdigest()[:20]
+  path = os.path.join(out_dir, f"decode_matmul-{key}.so")
+  if os.path.exists(path):
+    return path
+  os.makedirs(out_dir, exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  cmd = [cxx, *FLAGS, *extra_flags, "-I", jax.ffi.include_dir(), "-o", tmp, SOURCE]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode != 0:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+    raise RuntimeError(f"{os.path.basename(cxx)} exited with {done.returncode}: {tail[-400:]}")
+  os.replace(tmp, path)  # whole or absent, whatever other processes build beside this one
+  return path
+
+
+def _load() -> tuple[ctypes.CDLL, int] | None:
+  """The built kernel and its panel height R, registered with XLA; None (and `_why_not`) when it cannot be."""
+  with _lock:
+    return _load_locked()
+
+
+def _load_locked() -> tuple[ctypes.CDLL, int] | None:
+  global _lib, _why_not
+  if _lib is not None or _why_not is not None:
+    return _lib
+  cxx = compiler()
+  if cxx is None:
+    _why_not = "no C++ compiler (set CXX or install g++)"
+  elif platform.machine().lower() not in ("x86_64", "amd64"):
+    _why_not = f"no kernel for {platform.machine()}"
+  else:
+    try:
+      try:
+        path = build(cxx, cache_dir())
+      except OSError:  # the cache folder is not writable: build for this process only
+        path = build(cxx, tempfile.mkdtemp(prefix="erpo-jax-native-"))
+      lib = ctypes.cdll.LoadLibrary(path)
+      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
+      _lib = (lib, int(lib.erpo_panel_rows()))
+    except (RuntimeError, OSError) as e:
+      _why_not = f"it did not build ({e})"
+  if _why_not is not None:
+    print(f"erpo-jax: decoding with XLA's dot, not the CPU decode kernel: {_why_not}; "
+          f"{ENV}=off skips the kernel", file=sys.stderr, flush=True)
+  return _lib
+
+
+def wanted() -> bool:
+  if _forced is not None:
+    return _forced
+  return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+
+
+def usable(dtype) -> bool:
+  """Whether decode's products of this compute dtype run through the kernel (builds it on the first yes)."""
+  return (wanted() and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+          and jax.device_count() == 1 and _load() is not None)
+
+
+def status() -> str:
+  """One phrase for bench output: "on (12-row panels)" or "off: <why>"."""
+  if not wanted():
+    return f"off: {ENV}=off" if _forced is None else "off"
+  if jax.default_backend() != "cpu" or jax.device_count() != 1:
+    return "off: only for one CPU device"
+  return f"on ({_lib[1]}-row panels)" if _load() is not None else f"off: {_why_not}"
+
+
+@contextlib.contextmanager
+def forced(on: bool):
+  """Within the block, decode takes (on) or skips (off) the kernel whatever the environment says; programs
+  traced inside keep what they took."""
+  global _forced
+  before, _forced = _forced, on
+  try:
+    yield
+  finally:
+    _forced = before
+
+
+def pack(w_inxout: jax.Array) -> Panels:
+  """W as stored, [in, out] (x @ W), into the kernel's panels."""
+  R = _load()[1]
+  fan_in, rows = w_inxout.shape
+  P = -(-rows // R)
+  w = jnp.pad(w_inxout.astype(jnp.float32), ((0, 0), (0, P * R - rows)))
+  return Panels(jnp.transpose(w.reshape(fan_in, P, R), (1, 0, 2)), rows)
+
+
+def pack_rows(w_outxin: jax.Array) -> Panels:
+  """W given as [out, in] rows (the unembedding, [V, D]) into the kernel's panels."""
+  R = _load()[1]
+  rows, fan_in = w_outxin.shape
+  P = -(-rows // R)
+  w = jnp.pad(w_outxin.astype(jnp.float32), ((0, P * R - rows), (0, 0)))
+  return Panels(jnp.transpose(w.reshape(P, R, fan_in), (0, 2, 1)), rows)
+
+
+def matmul(w: Panels, xT_inxN: jax.Array) -> jax.Array:
+  """W @ x: [rows, N] float32, from the panels and column-major activations x [in, N]."""
+  out = jax.ShapeDtypeStruct((w.rows, xT_inxN.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out)(w.panels, xT_inxN.astype(jnp.float32))

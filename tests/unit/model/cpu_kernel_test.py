@@ -1,0 +1,148 @@
+"""The CPU decode kernel computes XLA's products, decodes what XLA's dot decodes, and says why when it is off."""
+
+import os
+import stat
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from erpo_jax.model import cpu_kernel, decode, llama
+from erpo_jax.model.config import ModelConfig
+from erpo_jax.rollout.sampler import Sampler
+
+CFG = ModelConfig("llama", 64, 32, 2, 4, 2, 8, 64, tie_word_embeddings=True)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], list(range(20, 32))]
+
+
+@pytest.fixture(scope="module")
+def kernel_rows():
+  with cpu_kernel.forced(True):
+    if not cpu_kernel.usable(jnp.float32):
+      pytest.skip(f"the CPU decode kernel is {cpu_kernel.status()}")
+  return cpu_kernel._load()[1]
+
+
+def f64_product(w_inxout, x_inxN):
+  return np.asarray(w_inxout, np.float64).T @ np.asarray(x_inxN, np.float64)
+
+
+@pytest.mark.parametrize("fan_in,rows,n", [(576, 1536, 32), (37, 100, 5), (7, 12, 33), (64, 200, 64),
+                                           (16, 25, 1), (33, 13, 70), (128, 11, 16)])
+def test_kernel_products_equal_float64_products_for_any_rows_and_columns(kernel_rows, fan_in, rows, n):
+  kw, kx = jax.random.split(jax.random.key(fan_in * rows + n))
+  w = jax.random.normal(kw, (fan_in, rows))
+  x = jax.random.normal(kx, (fan_in, n))
+  want = f64_product(w, x)
+  got = np.asarray(jax.jit(cpu_kernel.matmul)(cpu_kernel.pack(w), x))
+  assert got.shape == (rows, n) and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(fan_in))
+  got_rows = np.asarray(jax.jit(cpu_kernel.matmul)(cpu_kernel.pack_rows(w.T), x))
+  np.testing.assert_array_equal(got_rows, got)
+
+
+def test_panels_hold_each_block_of_rows_k_major_with_zero_rows_after_the_last(kernel_rows):
+  R = kernel_rows
+  w_inxout = jnp.arange(5 * (R + 3), dtype=jnp.float32).reshape(5, R + 3)
+  p = cpu_kernel.pack(w_inxout)
+  assert p.rows == R + 3 and p.panels.shape == (2, 5, R)
+  np.testing.assert_array_equal(p.panels[0], w_inxout[:, :R])
+  np.testing.assert_array_equal(p.panels[1, :, :3], w_inxout[:, R:])
+  assert not np.any(p.panels[1, :, 3:])
+
+
+def test_the_avx2_build_equals_float64_products_too(kernel_rows, tmp_path):
+  """Machines without AVX-512 build the AVX2 panels (6 rows of 8-lane vectors); this CPU runs them too."""
+  flags = open("/proc/cpuinfo", encoding="utf-8").read()
+  if " avx2" not in flags or " fma" not in flags:
+    pytest.skip("this CPU has no AVX2 with FMA")
+  path = cpu_kernel.build(cpu_kernel.compiler(), str(tmp_path), ("-mno-avx512f",))
+  import ctypes  # only here: loads the second build by hand
+
+  lib = ctypes.cdll.LoadLibrary(path)
+  assert lib.erpo_panel_rows() == 6
+  jax.ffi.register_ffi_target("erpo_decode_matmul_avx2_test", jax.ffi.pycapsule(lib.ErpoDecodeMatmul),
+                              platform="cpu")
+  w = jax.random.normal(jax.random.key(3), (100, 45))
+  x = jax.random.normal(jax.random.key(4), (100, 21))
+  panels = jnp.transpose(jnp.pad(w, ((0, 0), (0, 3))).reshape(100, 8, 6), (1, 0, 2))
+  got = jax.ffi.ffi_call("erpo_decode_matmul_avx2_test", jax.ShapeDtypeStruct((45, 21), jnp.float32))(panels, x)
+  np.testing.assert_allclose(np.asarray(got), f64_product(w, x), rtol=2e-5, atol=2e-4)
+
+
+def test_decode_layers_are_packed_panels_of_the_same_matrices(kernel_rows):
+  m = llama.init_random(CFG, seed=0)
+  p = m._layer_params()
+  with cpu_kernel.forced(True):
+    layers = m.decode_layers()
+  x = jax.random.normal(jax.random.key(5), (CFG.intermediate_size, 3))
+  for i, layer in enumerate(layers):
+    assert isinstance(layer["wq"], cpu_kernel.Panels) and layer["wq"].rows == 32
+    np.testing.assert_allclose(decode.mm(layer["w_down"], x[:, :3]), f64_product(p["w_down"][i], x), atol=1e-4)
+    np.testing.assert_array_equal(layer["attn_norm"], p["attn_norm"][i])
+
+
+def test_greedy_rollouts_with_the_kernel_equal_those_with_xla_dot(kernel_rows):
+  m = llama.init_random(CFG, seed=1)
+  eos = types.SimpleNamespace(eos_ids=(CFG.vocab_size + 1,), pad_id=0)
+  out = {}
+  for on in (True, False):
+    with cpu_kernel.forced(on):
+      s = Sampler(m, eos, max_new_tokens=10, temperature=0.0, min_prompt_bucket=4)
+      out[on] = s.generate(m, PROMPTS, group_size=3, key=jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out[True].tokens), np.asarray(out[False].tokens))
+  np.testing.assert_allclose(np.asarray(out[True].logp), np.asarray(out[False].logp), atol=1e-5)
+
+
+def test_sampled_rollouts_with_the_kernel_have_the_models_log_probs(kernel_rows):
+  from erpo_jax.model import logprobs  # only here: the reference for this one test
+
+  m = llama.init_random(CFG, seed=2)
+  eos = types.SimpleNamespace(eos_ids=(1, 2), pad_id=0)
+  with cpu_kernel.forced(True):
+    r = Sampler(m, eos, max_new_tokens=12, min_prompt_bucket=4).generate(m, PROMPTS, group_size=4,
+                                                                         key=jax.random.key(7))
+  mask = np.asarray(r.response_mask)
+  np.testing.assert_allclose(np.asarray(r.logp)[mask], np.asarray(logprobs.log_probs(m, r.tokens))[mask], atol=1e-5)
+
+
+def test_bfloat16_and_the_environment_switch_keep_xla_dot(kernel_rows, monkeypatch):
+  assert not cpu_kernel.usable(jnp.bfloat16)
+  monkeypatch.setenv(cpu_kernel.ENV, "off")
+  assert not cpu_kernel.usable(jnp.float32)
+  assert cpu_kernel.status() == f"off: {cpu_kernel.ENV}=off"
+  m = llama.init_random(CFG, seed=0)
+  assert not isinstance(m.decode_layers()[0]["wq"], cpu_kernel.Panels)
+  assert not isinstance(m.decode_unembed(), cpu_kernel.Panels)
+
+
+def _fresh_process(env: dict) -> subprocess.CompletedProcess:
+  code = ("import jax.numpy as jnp; from erpo_jax.model import cpu_kernel as k; "
+          "print(k.usable(jnp.float32)); print(k.status())")
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+
+
+def test_without_a_compiler_decode_keeps_xla_dot_and_says_why_once(tmp_path):
+  done = _fresh_process({"CXX": str(tmp_path / "no-such-compiler"), "XDG_CACHE_HOME": str(tmp_path)})
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines() == ["False", "off: no C++ compiler (set CXX or install g++)"]
+  said = [ln for ln in done.stderr.splitlines() if "erpo-jax:" in ln]
+  assert said == ["erpo-jax: decoding with XLA's dot, not the CPU decode kernel: no C++ compiler (set CXX or "
+                  "install g++); ERPO_JAX_CPU_KERNEL=off skips the kernel"]
+
+
+def test_a_failed_build_keeps_xla_dot_and_quotes_the_compiler(tmp_path):
+  cxx = tmp_path / "cxx"
+  cxx.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'cxx 1.0'; exit 0; }\n"
+                 "echo 'decode_matmul.cc:1: error: no AVX here' >&2; exit 1\n")
+  cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+  done = _fresh_process({"CXX": str(cxx), "XDG_CACHE_HOME": str(tmp_path)})
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines()[0] == "False"
+  assert "it did not build (cxx exited with 1: decode_matmul.cc:1: error: no AVX here)" in done.stdout
+  assert not list((tmp_path / "erpo-jax" / "native").glob("*.so"))  # nothing half-built is kept
