@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -70,10 +71,7 @@ struct Job {
   const float* x;  // [in, ldx]: x itself, or (N not a multiple of kCols) a zero-padded copy of it
   int64_t ldx;
   float* y;
-  int64_t in, n, out, panels;
-  int64_t chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t in, n, out;
 };
 
 void RunPanels(const Job& job, int64_t p0, int64_t p1) {
@@ -94,16 +92,33 @@ void RunPanels(const Job& job, int64_t p0, int64_t p1) {
   }
 }
 
-// Claims chunks of panels until none is left. The calling thread and the pool's helpers all run this, and the
-// caller waits only for chunks already claimed, which are being computed: a helper that starts late (the
-// pool busy with other ops) finds nothing left and returns, so the call never waits on the pool's queue.
-void Work(Job& job) {
-  for (;;) {
-    const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
-    if (c >= job.chunks) return;
-    RunPanels(job, job.panels * c / job.chunks, job.panels * (c + 1) / job.chunks);
-    job.done.fetch_add(1, std::memory_order_release);
+// Runs fn(p0, p1) over chunks of [0, panels): the calling thread and the pool's helpers claim chunks until none
+// is left, and the caller waits only for chunks already claimed, which are being computed. A helper that starts
+// late (the pool busy with other ops) finds nothing left and returns, so a call never waits on the pool's queue.
+template <typename F>
+void SharePanels(ffi::ThreadPool& pool, int64_t panels, F fn) {
+  struct Share {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t chunks, panels;
+  };
+  auto share = std::make_shared<Share>();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  share->panels = panels;
+  share->chunks = std::min<int64_t>(panels, threads * 4);
+  auto run = [share, fn] {
+    for (;;) {
+      const int64_t c = share->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= share->chunks) return;
+      fn(share->panels * c / share->chunks, share->panels * (c + 1) / share->chunks);
+      share->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < std::min<int64_t>(threads, share->chunks) - 1; ++h) {
+    auto task = run;  // Schedule takes its task by value
+    pool.Schedule(std::move(task));
   }
+  run();
+  while (share->done.load(std::memory_order_acquire) < share->chunks) _mm_pause();
 }
 
 ffi::Error DecodeMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
@@ -115,30 +130,47 @@ ffi::Error DecodeMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
       yd[1] != xd[1] || (yd[0] + kRows - 1) / kRows != wd[0]) {
     return ffi::Error::InvalidArgument("erpo_decode_matmul_v1: expects W [ceil(out/R), in, R], x [in, N], y [out, N]");
   }
-  auto job = std::make_shared<Job>();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->in = xd[0];
-  job->n = xd[1];
-  job->out = yd[0];
-  job->panels = wd[0];
+  Job job{w.typed_data(), x.typed_data(), xd[1], y->typed_data(), xd[0], xd[1], yd[0]};
   std::vector<float> padded;  // the kernel reads x in whole blocks of kCols columns
-  if (job->n % kCols) {
-    job->ldx = (job->n + kCols - 1) / kCols * kCols;
-    padded.assign(job->in * job->ldx, 0.0f);
-    for (int64_t k = 0; k < job->in; ++k)
-      std::memcpy(padded.data() + k * job->ldx, x.typed_data() + k * job->n, job->n * 4);
-    job->x = padded.data();
-  } else {
-    job->ldx = job->n;
-    job->x = x.typed_data();
+  if (job.n % kCols) {
+    job.ldx = (job.n + kCols - 1) / kCols * kCols;
+    padded.assign(job.in * job.ldx, 0.0f);
+    for (int64_t k = 0; k < job.in; ++k) std::memcpy(padded.data() + k * job.ldx, job.x + k * job.n, job.n * 4);
+    job.x = padded.data();
   }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->chunks = std::min<int64_t>(job->panels, threads * 4);
-  const int64_t helpers = std::min<int64_t>(threads, job->chunks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  SharePanels(pool, wd[0], [&job](int64_t p0, int64_t p1) { RunPanels(job, p0, p1); });
+  return ffi::Error::Success();
+}
+
+// The panels DecodeMatmul reads, from W as stored, [in, out] (w_rows false), or as rows, [out, in].
+ffi::Error PackPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> panels,
+                      bool w_rows) {
+  auto wd = w.dimensions();
+  auto pd = panels->dimensions();
+  if (wd.size() != 2 || pd.size() != 3 || pd[2] != kRows) {
+    return ffi::Error::InvalidArgument("erpo_pack_panels_v1: expects W [in, out] or [out, in], panels [P, in, R]");
+  }
+  const int64_t in = w_rows ? wd[1] : wd[0], out = w_rows ? wd[0] : wd[1];
+  if (pd[1] != in || pd[0] != (out + kRows - 1) / kRows) {
+    return ffi::Error::InvalidArgument("erpo_pack_panels_v1: panels must be [ceil(out/R), in, R]");
+  }
+  const float* src = w.typed_data();
+  float* dst = panels->typed_data();
+  SharePanels(pool, pd[0], [=](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* panel = dst + p * in * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, out - p * kRows));
+      for (int64_t k = 0; k < in; ++k) {
+        float* to = panel + k * kRows;
+        if (w_rows) {
+          for (int i = 0; i < rows; ++i) to[i] = src[(p * kRows + i) * in + k];
+        } else {
+          std::memcpy(to, src + k * out + p * kRows, rows * 4);
+        }
+        for (int i = rows; i < kRows; ++i) to[i] = 0.0f;
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -152,3 +184,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoDecodeMatmul, DecodeMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoPackPanels, PackPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("w_rows"));
