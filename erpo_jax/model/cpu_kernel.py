@@ -34,6 +34,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 ENV = "ERPO_JAX_CPU_KERNEL"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_matmul.cc")
@@ -79,8 +80,6 @@ def _cpu_id() -> str:
 def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
   """Builds the kernel into out_dir (once per key) and returns the library's path; raises RuntimeError with
   the compiler's last lines when it does not build."""
-  import jaxlib  # noqa: F401  -- only here: its version keys the build
-
   with open(SOURCE, "rb") as f:
     source = f.read()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]

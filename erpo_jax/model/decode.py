@@ -95,5 +95,3 @@ def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache | GroupKVCache, cos_
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
   gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]
   return hT_DxN + mm(p["w_down"], jax.nn.silu(gT) * uT), cache
-
-
