@@ -101,6 +101,16 @@ def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
   return path
 
 
+def _writable_dir(path: str) -> str | None:
+  """path, made if need be, when this process can write it; else None (the kernel is then built for this
+  process only, in a temporary folder)."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    return None
+  return path if os.access(path, os.W_OK) else None
+
+
 def _load() -> tuple[ctypes.CDLL, int] | None:
   """The built kernel and its panel height R, registered with XLA; None (and `_why_not`) when it cannot be."""
   with _lock:
@@ -118,10 +128,7 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
     _why_not = f"no kernel for {platform.machine()}"
   else:
     try:
-      try:
-        path = build(cxx, cache_dir())
-      except OSError:  # the cache folder is not writable: build for this process only
-        path = build(cxx, tempfile.mkdtemp(prefix="erpo-jax-native-"))
+      path = build(cxx, _writable_dir(cache_dir()) or tempfile.mkdtemp(prefix="erpo-jax-native-"))
       lib = ctypes.cdll.LoadLibrary(path)
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ErpoPackPanels), platform="cpu")
@@ -147,12 +154,12 @@ def usable(dtype) -> bool:
 
 
 def status() -> str:
-  """One phrase for bench output: "on (12-row panels)" or "off: <why>"."""
+  """One phrase for bench output: "on (12-row panels, float32 decode)" or "off: <why>"."""
   if not wanted():
     return f"off: {ENV}=off" if _forced is None else "off"
   if jax.default_backend() != "cpu" or jax.device_count() != 1:
     return "off: only for one CPU device"
-  return f"on ({_lib[1]}-row panels)" if _load() is not None else f"off: {_why_not}"
+  return f"on ({_lib[1]}-row panels, float32 decode)" if _load() is not None else f"off: {_why_not}"
 
 
 @contextlib.contextmanager

@@ -111,6 +111,8 @@ def test_sampled_rollouts_with_the_kernel_have_the_models_log_probs(kernel_rows)
 
 
 def test_bfloat16_and_the_environment_switch_keep_xla_dot(kernel_rows, monkeypatch):
+  with cpu_kernel.forced(True):
+    assert cpu_kernel.status() == f"on ({kernel_rows}-row panels, float32 decode)"
   assert not cpu_kernel.usable(jnp.bfloat16)
   monkeypatch.setenv(cpu_kernel.ENV, "off")
   assert not cpu_kernel.usable(jnp.float32)
@@ -146,3 +148,12 @@ def test_a_failed_build_keeps_xla_dot_and_quotes_the_compiler(tmp_path):
   assert done.stdout.splitlines()[0] == "False"
   assert "it did not build (cxx exited with 1: decode_matmul.cc:1: error: no AVX here)" in done.stdout
   assert not list((tmp_path / "erpo-jax" / "native").glob("*.so"))  # nothing half-built is kept
+
+
+def test_a_cache_folder_that_cannot_be_made_builds_the_kernel_for_the_process_alone(kernel_rows, tmp_path):
+  blocker = tmp_path / "a-file"
+  blocker.write_text("not a folder")
+  done = _fresh_process({"XDG_CACHE_HOME": str(blocker)})
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines()[0] == "True"
+  assert "erpo-jax:" not in done.stderr
