@@ -1,12 +1,19 @@
-"""Decode's products on the CPU through a kernel of our own: y [out, N] = W [out, in] @ x [in, N] in float32.
+"""Decode's products and attention on the CPU through kernels of our own, in float32.
 
 Why: a decode step multiplies a few dozen columns by every weight matrix, so it
 is bound by how fast the weights stream in. XLA's CPU dot reads them at about
 6-7 GB/s at 32 columns, whatever the operand layout (docs/PERFORMANCE.md,
-"Where the rollout stops on a CPU"). `cpu_decode_matmul.cc` reads W packed in
+"Where the rollout stops on a CPU"). `cpu_decode.cc` reads W packed in
 panels of R rows stored k-major (`pack`, once per `generate`), each panel one
 contiguous stream times R x 32 register accumulators, and shares the panels out
 over XLA's own intra-op threads.
+
+The attention (`group_attention`, over a `GroupCache`) writes each row's new key
+and value and attends in one call: XLA's ops for it scored every response slot
+of the cache, live or not, and wrote each new key across Dh x K x N cache lines
+(keys slot-minor). The kernel keeps response keys slot-major like the values,
+reads only the slots the mask marks up to the last, and hands the output back
+column-major for the next product.
 
 It is C++ against the XLA FFI headers jaxlib ships, built on first use with the
 host's C++ compiler ($CXX, else c++, g++ or clang++) for this CPU
@@ -31,15 +38,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 
+from erpo_jax.model.kv_cache import KVCache
+
 ENV = "ERPO_JAX_CPU_KERNEL"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode_matmul.cc")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.cc")
 TARGET = "erpo_decode_matmul_v1"  # the names compiled programs call; a new ABI takes a new name
-PACK_TARGET = "erpo_pack_panels_v1"
+PACK_TARGET = "erpo_pack_panels_v2"
+ATTENTION_TARGET = "erpo_group_decode_attention_v1"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lib: tuple[ctypes.CDLL, int] | None = None
@@ -85,7 +96,7 @@ def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
   key = hashlib.sha256(b"\0".join([source, repr((version, jaxlib.__version__, FLAGS, extra_flags)).encode(),
                                   _cpu_id().encode()])).hexdigest()[:20]
-  path = os.path.join(out_dir, f"decode_matmul-{key}.so")
+  path = os.path.join(out_dir, f"decode-{key}.so")
   if os.path.exists(path):
     return path
   os.makedirs(out_dir, exist_ok=True)
@@ -132,6 +143,7 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
       lib = ctypes.cdll.LoadLibrary(path)
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ErpoPackPanels), platform="cpu")
+      jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ErpoGroupDecodeAttention), platform="cpu")
       _lib = (lib, int(lib.erpo_panel_rows()))
     except (RuntimeError, OSError) as e:
       _why_not = f"it did not build ({e})"
@@ -174,24 +186,60 @@ def forced(on: bool):
     _forced = before
 
 
-def _pack(w: jax.Array, rows: int, fan_in: int, w_rows: bool) -> Panels:
+def _pack(w_Lx: jax.Array, layer: int, rows: int, fan_in: int, w_rows: bool) -> Panels:
   R = _load()[1]
   out = jax.ShapeDtypeStruct((-(-rows // R), fan_in, R), jnp.float32)
-  return Panels(jax.ffi.ffi_call(PACK_TARGET, out)(w.astype(jnp.float32), w_rows=w_rows), rows)
+  return Panels(jax.ffi.ffi_call(PACK_TARGET, out)(w_Lx.astype(jnp.float32), w_rows=w_rows, layer=layer), rows)
 
 
-def pack(w_inxout: jax.Array) -> Panels:
+def pack(w_inxout: jax.Array, layer: int | None = None) -> Panels:
   """W as stored, [in, out] (x @ W), into the kernel's panels (by the kernel: XLA's CPU transposes run at
-  about 1.5 GB/s)."""
-  return _pack(w_inxout, w_inxout.shape[1], w_inxout.shape[0], False)
+  about 1.5 GB/s); or, given layer, matrix `layer` of a stack [L, in, out], read in place (a slice of the
+  stack would be a copy)."""
+  w = w_inxout[None] if layer is None else w_inxout
+  return _pack(w, layer or 0, w.shape[2], w.shape[1], False)
 
 
 def pack_rows(w_outxin: jax.Array) -> Panels:
   """W given as [out, in] rows (the unembedding, [V, D]) into the kernel's panels."""
-  return _pack(w_outxin, w_outxin.shape[0], w_outxin.shape[1], True)
+  return _pack(w_outxin[None], 0, w_outxin.shape[0], w_outxin.shape[1], True)
 
 
 def matmul(w: Panels, xT_inxN: jax.Array) -> jax.Array:
   """W @ x: [rows, N] float32, from the panels and column-major activations x [in, N]."""
   out = jax.ShapeDtypeStruct((w.rows, xT_inxN.shape[1]), jnp.float32)
   return jax.ffi.ffi_call(TARGET, out)(w.panels, xT_inxN.astype(jnp.float32))
+
+
+class GroupCache(NamedTuple):
+  """`kv_cache.GroupKVCache` in the form `group_attention` reads: the prompts' cache (B rows, keys [B, K, Dh, P],
+  values [B, K, P, Dh]) and each row's response keys and values, both [N, K, M, Dh], so a step writes one
+  contiguous run of Dh floats per row and head. Slots are numbered as in a `GroupKVCache`."""
+
+  prompt: KVCache
+  k: jax.Array  # [N, K, M, Dh]
+  v: jax.Array  # [N, K, M, Dh]
+
+  @staticmethod
+  def for_groups(prompt: KVCache, group_size: int, response_slots: int) -> "GroupCache":
+    """`GroupKVCache.for_groups` in this form."""
+    B, K, Dh, _ = prompt.k.shape
+    zeros = lambda: jnp.zeros((B * group_size, K, response_slots, Dh), jnp.float32)
+    return GroupCache(prompt, zeros(), zeros())
+
+
+def group_attention(qT_HDhxN: jax.Array, kT_KDhxN: jax.Array, vT_KDhxN: jax.Array, cosT_DhxN: jax.Array,
+                    sinT_DhxN: jax.Array, cache: GroupCache, attend_NxT: jax.Array, slot, *,
+                    target: str = ATTENTION_TARGET) -> tuple[jax.Array, GroupCache]:
+  """`llama.apply_rope` of the columns' queries and new keys (half-split, each row's table [Dh, N]), then
+  `GroupKVCache.write` of their keys and values into slot `slot` (>= P) and `attend` of their queries, in one
+  kernel call: (the attention's output [H Dh, N], column-major, and the updated cache, whose response buffers
+  the call updates in place). `target` names another registered build of the kernel (tests)."""
+  o = jax.ShapeDtypeStruct(qT_HDhxN.shape, jnp.float32)
+  k = jax.ShapeDtypeStruct(cache.k.shape, jnp.float32)
+  call = jax.ffi.ffi_call(target, (o, k, k), input_output_aliases={7: 1, 8: 2})
+  f32 = lambda x: x.astype(jnp.float32)
+  oT, rk, rv = call(f32(qT_HDhxN), f32(kT_KDhxN), f32(vT_KDhxN), f32(cosT_DhxN), f32(sinT_DhxN),
+                    f32(cache.prompt.k), f32(cache.prompt.v), cache.k, cache.v, attend_NxT.astype(bool),
+                    jnp.asarray(slot, jnp.int32))
+  return oT, GroupCache(cache.prompt, rk, rv)

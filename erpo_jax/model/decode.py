@@ -13,7 +13,8 @@ transposed through the layer; only the attention and the cache write see the
 
 On one CPU device in float32 the products run through our own kernel instead
 (`cpu_kernel`): `decode_layers` packs each matrix into its panels, once per
-`generate`, in place of the transpose, and `mm` calls the kernel.
+`generate`, in place of the transpose, and `mm` calls the kernel; the sampler's
+cache is then a `cpu_kernel.GroupCache`, whose attention the kernel runs too.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def decode_layers(layer_params: dict, num_layers: int, dtype) -> list[dict]:
   per loop and then read in place.
   """
   kernel = cpu_kernel.usable(dtype)
+  # Each matrix as [L, in, out] (wq is [L, D, H, Dh], wo [L, H, Dh, D]); the kernel packs layer i from the stack.
+  as_matrices = lambda n, w: w.reshape(w.shape[0], -1, w.shape[-1]) if n == "wo" else w.reshape(*w.shape[:2], -1)
+  stacks = {n: as_matrices(n, w).astype(dtype) for n, w in layer_params.items() if n in _NAMES}
   layers = []
   for i in range(num_layers):
-    p = {n: w[i] for n, w in layer_params.items()}
-    out = {n: p[n] for n in p if n not in _NAMES}
-    for n in _NAMES:
-      w = p[n].astype(dtype)
-      fan_in = w.shape[0] * (w.shape[1] if n == "wo" else 1)  # wo is [H, Dh, D]
-      out[n] = cpu_kernel.pack(w.reshape(fan_in, -1)) if kernel else w.reshape(fan_in, -1).T
+    out = {n: w[i] for n, w in layer_params.items() if n not in _NAMES}
+    for n, w in stacks.items():
+      out[n] = cpu_kernel.pack(w, i) if kernel else w[i].T
     layers.append(out)
   return layers
 
@@ -59,7 +60,8 @@ def mm(w_OxI: jax.Array | cpu_kernel.Panels, xT_IxN: jax.Array) -> jax.Array:
 def rms_norm_cols(xT_DxN: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
   """`llama.rms_norm` of each column."""
   x32 = xT_DxN.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + eps)
+  ms = jnp.matmul(jnp.full((1, x32.shape[0]), 1.0 / x32.shape[0], jnp.float32), x32 * x32)
+  y = x32 * jax.lax.rsqrt(ms + eps)
   return (y * w_D.astype(jnp.float32)[:, None]).astype(xT_DxN.dtype)
 
 
@@ -71,27 +73,35 @@ def rope_cols(xT_HxDhxN: jax.Array, cosT_1xDhxN: jax.Array, sinT_1xDhxN: jax.Arr
   return (x * cosT_1xDhxN + rotated * sinT_1xDhxN).astype(xT_HxDhxN.dtype)
 
 
-def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache | GroupKVCache, cos_N1x1xDh: jax.Array,
-                 sin_N1x1xDh: jax.Array, slot, attend_NxT: jax.Array, cfg) -> tuple[jax.Array, KVCache | GroupKVCache]:
+def rope_tables_cols(cos_Nx1x1xDh: jax.Array, sin_Nx1x1xDh: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`llama.rope_tables` of one position per row as `rope_cols` (and the kernel) read them: [1, Dh, N]."""
+  cols = lambda x: jnp.transpose(x[:, 0], (1, 2, 0))
+  return cols(cos_Nx1x1xDh), cols(sin_Nx1x1xDh)
+
+
+def decode_layer(hT_DxN: jax.Array, p: dict, cache: KVCache | GroupKVCache | cpu_kernel.GroupCache,
+                 cosT_1xDhxN: jax.Array, sinT_1xDhxN: jax.Array, slot, attend_NxT: jax.Array, cfg):
   """One layer of `Transformer.decode` on hT [D, N] with `decode_layers` weights p; the new token's key and
-  value go into cache slot `slot` first. Returns (next hT, the updated cache)."""
+  value go into cache slot `slot` first (with a `cpu_kernel.GroupCache`, the kernel writes and attends in one
+  call). Returns (next hT, the updated cache)."""
   D, N = hT_DxN.shape
   H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   dt = hT_DxN.dtype
-  cosT = jnp.transpose(cos_N1x1xDh[:, 0], (1, 2, 0))  # [1, Dh, N]
-  sinT = jnp.transpose(sin_N1x1xDh[:, 0], (1, 2, 0))
   x = rms_norm_cols(hT_DxN, p["attn_norm"], cfg.rms_norm_eps)
   qT, kT, vT = mm(p["wq"], x), mm(p["wk"], x), mm(p["wv"], x)  # [H*Dh, N], [K*Dh, N], [K*Dh, N]
   if cfg.attention_bias:
     qT = qT + p["bq"].astype(dt).reshape(-1, 1)
     kT = kT + p["bk"].astype(dt).reshape(-1, 1)
     vT = vT + p["bv"].astype(dt).reshape(-1, 1)
-  qT = rope_cols(qT.reshape(H, Dh, N), cosT, sinT)
-  kT = rope_cols(kT.reshape(K, Dh, N), cosT, sinT)
-  rows = lambda xT_HxDhxN: jnp.transpose(xT_HxDhxN, (2, 0, 1))  # [N, H, Dh]
-  cache = cache.write(rows(kT)[:, None], rows(vT.reshape(K, Dh, N))[:, None], slot)
-  o_NxHxDh = cache.attend(rows(qT), attend_NxT)
-  hT_DxN = hT_DxN + mm(p["wo"], o_NxHxDh.reshape(N, H * Dh).T)
+  if isinstance(cache, cpu_kernel.GroupCache):  # the kernel applies RoPE as it reads q and k
+    oT, cache = cpu_kernel.group_attention(qT, kT, vT, cosT_1xDhxN[0], sinT_1xDhxN[0], cache, attend_NxT, slot)
+  else:
+    qT = rope_cols(qT.reshape(H, Dh, N), cosT_1xDhxN, sinT_1xDhxN)
+    kT = rope_cols(kT.reshape(K, Dh, N), cosT_1xDhxN, sinT_1xDhxN)
+    rows = lambda xT_HxDhxN: jnp.transpose(xT_HxDhxN, (2, 0, 1))  # [N, H, Dh]
+    cache = cache.write(rows(kT)[:, None], rows(vT.reshape(K, Dh, N))[:, None], slot)
+    oT = cache.attend(rows(qT), attend_NxT).reshape(N, H * Dh).T
+  hT_DxN = hT_DxN + mm(p["wo"], oT.astype(dt))
   x = rms_norm_cols(hT_DxN, p["mlp_norm"], cfg.rms_norm_eps)
   gT, uT = mm(p["w_gate"], x), mm(p["w_up"], x)  # [F, N]
   return hT_DxN + mm(p["w_down"], jax.nn.silu(gT) * uT), cache

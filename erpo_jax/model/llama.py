@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from erpo_jax.model import cpu_bf16, cpu_kernel
 from erpo_jax.model.config import ModelConfig
-from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols
+from erpo_jax.model.decode import decode_layer, decode_layers, rms_norm_cols, rope_tables_cols
 from erpo_jax.model.kv_cache import GroupKVCache, KVCache
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -216,10 +216,10 @@ class Transformer(nnx.Module):
     """`decode` with the final-normed hidden states column-major, [D, N] (see model/decode.py)."""
     layers = self.decode_layers() if layers is None else layers
     hT_DxN = self.embed_tokens(tokens_N).T
-    cos, sin = rope_tables(positions_N[:, None], self.cfg)
+    cosT, sinT = rope_tables_cols(*rope_tables(positions_N[:, None], self.cfg))
     new_cache = []
     for p, c in zip(layers, cache):
-      hT_DxN, c = decode_layer(hT_DxN, p, c, cos, sin, slot, attend_NxT, self.cfg)
+      hT_DxN, c = decode_layer(hT_DxN, p, c, cosT, sinT, slot, attend_NxT, self.cfg)
       new_cache.append(c)
     return rms_norm_cols(hT_DxN, self.final_norm[...], self.cfg.rms_norm_eps), new_cache
 

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from erpo_jax import buckets
 from erpo_jax.parallel.transfer import allgather_rows
 from erpo_jax.errors import DataError
+from erpo_jax.model import cpu_kernel
 from erpo_jax.model.kv_cache import GroupKVCache
 from erpo_jax.rollout.sampling import sample_token, sample_token_columns
 
@@ -164,8 +165,9 @@ class Sampler:
     h_BxPxD, cache = model.prefill(tokens_BxP, tokens_BxP.shape[1])
     h_Bx1xD = jnp.take_along_axis(h_BxPxD, (len_B - 1)[:, None, None], axis=1)
     logits_BxV = model.logits(h_Bx1xD)[:, 0]
-    cache = [jax.tree.map(lambda x: self._constrain(x, 0), GroupKVCache.for_groups(c, group_size, self.max_new_tokens))
-             for c in cache]
+    # On one CPU device in float32 the decode kernel writes and attends: its form of the same cache.
+    grouped = cpu_kernel.GroupCache.for_groups if cpu_kernel.usable(model.dtype) else GroupKVCache.for_groups
+    cache = [jax.tree.map(lambda x: self._constrain(x, 0), grouped(c, group_size, self.max_new_tokens)) for c in cache]
     return cache, self._constrain(jnp.repeat(logits_BxV, group_size, axis=0), 0)
 
   def _decode_fn(self, state, cache, logits_NxV, tokens_BxP, len_B, cut_N, key, temperature, group_id_offset,

@@ -1,4 +1,4 @@
-"""The CPU decode kernel computes XLA's products, decodes what XLA's dot decodes, and says why when it is off."""
+"""The CPU decode kernels compute XLA's products and attention, decode what XLA decodes, and say why when off."""
 
 import os
 import stat
@@ -13,6 +13,7 @@ import pytest
 
 from erpo_jax.model import cpu_kernel, decode, llama
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.model.kv_cache import GroupKVCache, KVCache
 from erpo_jax.rollout.sampler import Sampler
 
 CFG = ModelConfig("llama", 64, 32, 2, 4, 2, 8, 64, tie_word_embeddings=True)
@@ -72,6 +73,66 @@ def test_the_avx2_build_equals_float64_products_too(kernel_rows, tmp_path):
   panels = jnp.transpose(jnp.pad(w, ((0, 0), (0, 3))).reshape(100, 8, 6), (1, 0, 2))
   got = jax.ffi.ffi_call("erpo_decode_matmul_avx2_test", jax.ShapeDtypeStruct((45, 21), jnp.float32))(panels, x)
   np.testing.assert_allclose(np.asarray(got), f64_product(w, x), rtol=2e-5, atol=2e-4)
+  jax.ffi.register_ffi_target("erpo_attention_avx2_test", jax.ffi.pycapsule(lib.ErpoGroupDecodeAttention),
+                              platform="cpu")
+  for case in ATTENTION_CASES.values():
+    args, want_oT, _ = _attention_case(13, *case)
+    oT, _ = cpu_kernel.group_attention(*args, target="erpo_attention_avx2_test")
+    np.testing.assert_allclose(np.asarray(oT), np.asarray(want_oT), rtol=2e-5, atol=2e-5)
+
+
+def _attention_case(seed, B, G, K, g, Dh, P, M, len_B, t_N):
+  """Random columns (q and k before RoPE), RoPE tables, a prompt cache and half-filled response slots, a mask
+  (prompt b's first len_B[b] slots, row n's response slots up to t_N[n]), and XLA's answer: rope_cols,
+  GroupKVCache.write into response slot t_N.max(), then attend."""
+  ks = jax.random.split(jax.random.key(seed), 8)
+  N, H = B * G, K * g
+  qT, kT, vT = (jax.random.normal(k, (h * Dh, N)) for k, h in zip(ks[:3], (H, K, K)))
+  pos_N = jnp.repeat(jnp.asarray(len_B), G) + jnp.asarray(t_N)
+  cos, sin = llama.rope_tables(pos_N[:, None], types.SimpleNamespace(head_dim=Dh, rope_theta=10000.0,
+                                                                      rope_scaling=None))
+  cosT, sinT = decode.rope_tables_cols(cos, sin)
+  prompt = KVCache.from_prompt(jax.random.normal(ks[3], (B, P, K, Dh)), jax.random.normal(ks[4], (B, P, K, Dh)))
+  rk, rv = jax.random.normal(ks[5], (N, M, K, Dh)), jax.random.normal(ks[6], (N, M, K, Dh))
+  slot_T = jnp.arange(P + M)[None]
+  attend = (slot_T < jnp.repeat(jnp.asarray(len_B), G)[:, None]) | (
+      (slot_T >= P) & (slot_T <= P + jnp.asarray(t_N)[:, None]))
+  s = int(max(t_N))
+  xla = GroupKVCache(prompt, KVCache.from_prompt(rk, rv))
+  rows = lambda x: jnp.transpose(x, (2, 0, 1))
+  xla = xla.write(rows(decode.rope_cols(kT.reshape(K, Dh, N), cosT, sinT))[:, None],
+                  rows(vT.reshape(K, Dh, N))[:, None], P + s)
+  want_oT = xla.attend(rows(decode.rope_cols(qT.reshape(H, Dh, N), cosT, sinT)), attend).reshape(N, H * Dh).T
+  cache = cpu_kernel.GroupCache(prompt, jnp.swapaxes(rk, 1, 2), jnp.swapaxes(rv, 1, 2))
+  args = (qT, kT, vT, cosT[0], sinT[0], cache, attend, P + s)
+  return args, want_oT, xla
+
+
+ATTENTION_CASES = {  # B, G, K, g, Dh, P, M, len_B, t_N
+    "reference-shape": (4, 8, 3, 3, 64, 50, 64, [50, 31, 7, 44], [5] * 32),
+    "rows-at-different-steps": (2, 3, 2, 2, 16, 5, 4, [3, 5], [0, 1, 2, 3, 0, 3]),
+    "head-dim-below-a-vector": (3, 2, 1, 4, 6, 19, 9, [19, 1, 12], [8, 2, 0, 4, 8, 8]),
+    "one-row-per-prompt": (5, 1, 2, 1, 34, 33, 17, [33, 30, 2, 17, 9], [16, 3, 7, 0, 11]),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
+def test_kernel_attention_equals_xla_rope_write_and_attend(kernel_rows, case):
+  args, want_oT, xla = _attention_case(11, *case)
+  oT, cache = jax.jit(cpu_kernel.group_attention)(*args)
+  np.testing.assert_allclose(np.asarray(oT), np.asarray(want_oT), rtol=2e-5, atol=2e-5)
+  # The response cache equals XLA's after its write (keys slot-major here, slot-minor there), every slot.
+  np.testing.assert_allclose(np.asarray(cache.k), np.asarray(jnp.swapaxes(xla.response.k, 2, 3)), rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(cache.v), np.asarray(xla.response.v))
+  np.testing.assert_array_equal(np.asarray(cache.prompt.k), np.asarray(xla.prompt.k))
+
+
+def test_kernel_attention_rejects_a_slot_outside_the_response(kernel_rows):
+  args, _, _ = _attention_case(12, *ATTENTION_CASES["rows-at-different-steps"])
+  P = args[5].prompt.k.shape[-1]
+  with pytest.raises(Exception, match="slot outside the response"):
+    jax.block_until_ready(cpu_kernel.group_attention(*args[:7], P - 1))
 
 
 def test_decode_layers_are_packed_panels_of_the_same_matrices(kernel_rows):

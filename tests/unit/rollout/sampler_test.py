@@ -14,7 +14,8 @@ from flax import nnx
 
 from erpo_jax.buckets import prompt_bucket
 from erpo_jax.errors import DataError
-from erpo_jax.model import llama, logprobs
+from erpo_jax.model import cpu_kernel, llama, logprobs
+from erpo_jax.model.kv_cache import GroupKVCache
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 from erpo_jax.rollout.sampling import categorical, sample_token, sample_token_columns
@@ -86,16 +87,23 @@ def test_prompt_and_response_layout_is_group_contiguous(model):
     assert np.all(tokens[n][len(p) + M:] == 0)  # pad_id
 
 
-def test_prefill_holds_each_prompts_keys_once_for_its_group(model):
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "cpu_kernel"])
+def test_prefill_holds_each_prompts_keys_once_for_its_group(model, kernel):
   G, M = 4, 6
-  s = Sampler(model, tok(), max_new_tokens=M, min_prompt_bucket=4)
-  tokens_BxP, len_B, _ = s.pad_prompts(PROMPTS)
-  cache, logits_NxV = s._prefill(nnx.state(model), tokens_BxP, len_B, group_size=G)
+  with cpu_kernel.forced(kernel):
+    kernel = cpu_kernel.usable(model.dtype)
+    s = Sampler(model, tok(), max_new_tokens=M, min_prompt_bucket=4)
+    tokens_BxP, len_B, _ = s.pad_prompts(PROMPTS)
+    cache, logits_NxV = s._prefill(nnx.state(model), tokens_BxP, len_B, group_size=G)
   B, P = tokens_BxP.shape
+  K, Dh = CFG.num_kv_heads, CFG.head_dim
   assert len(cache) == CFG.num_layers and logits_NxV.shape == (B * G, V)
-  for c in cache:  # a GroupKVCache: prompt slots per prompt, response slots per row
-    assert c.prompt.k.shape[0] == B and c.prompt.k.shape[-1] == P and c.prompt.v.shape[:3] == (B, CFG.num_kv_heads, P)
-    assert c.response.k.shape[0] == B * G and c.response.k.shape[-1] == M
+  for c in cache:  # prompt slots per prompt, response slots per row
+    assert c.prompt.k.shape == (B, K, Dh, P) and c.prompt.v.shape == (B, K, P, Dh)
+    if kernel:  # the kernel's form: response keys slot-major, like the values
+      assert isinstance(c, cpu_kernel.GroupCache) and c.k.shape == c.v.shape == (B * G, K, M, Dh)
+    else:
+      assert isinstance(c, GroupKVCache) and c.response.k.shape == (B * G, K, Dh, M)
 
 
 def test_logp_at_temperature_one_equals_model_log_probs(model):
