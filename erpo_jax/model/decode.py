@@ -58,7 +58,8 @@ def mm(w_OxI: jax.Array | cpu_kernel.Panels, xT_IxN: jax.Array) -> jax.Array:
 
 
 def rms_norm_cols(xT_DxN: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
-  """`llama.rms_norm` of each column."""
+  """`llama.rms_norm` of each column. The mean of squares is a [1, D] x [D, N] product: XLA's CPU reduction
+  over the major axis ran as a reduce-window, about 3% of a decode step at 32 rows."""
   x32 = xT_DxN.astype(jnp.float32)
   ms = jnp.matmul(jnp.full((1, x32.shape[0]), 1.0 / x32.shape[0], jnp.float32), x32 * x32)
   y = x32 * jax.lax.rsqrt(ms + eps)
