@@ -209,7 +209,7 @@ ffi::Error PackPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Result
 constexpr float kExpLow = -87.0f;
 inline Vec ExpNonPositive(Vec x) {
   const Vec xc = Max(x, Splat(kExpLow));
-  const Vec n = Round(Fma(xc, Splat(1.44269504088896341f), Zero()));
+  const Vec n = Round(xc * Splat(1.44269504088896341f));
   Vec r = Fma(n, Splat(-0.693359375f), xc);
   r = Fma(n, Splat(2.12194440e-4f), r);
   Vec p = Splat(1.9875691500e-4f);
@@ -218,7 +218,7 @@ inline Vec ExpNonPositive(Vec x) {
   p = Fma(p, r, Splat(4.1665795894e-2f));
   p = Fma(p, r, Splat(1.6666665459e-1f));
   p = Fma(p, r, Splat(5.0000001201e-1f));
-  const Vec y = Fma(Fma(p, r, Zero()), r, Fma(r, Splat(1.0f), Splat(1.0f)));
+  const Vec y = Fma(p * r, r, r + Splat(1.0f));  // 1 + r + r^2 p(r)
   return ZeroBelow(TimesPow2(y, n), x, kExpLow);
 }
 
