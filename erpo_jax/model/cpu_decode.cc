@@ -1,5 +1,6 @@
-// erpo-jax's decode kernels for XLA's CPU, in float32: the product y [out, N] = W [out, in] @ x [in, N] for the
-// few dozen columns N of a decode step, and the attention of one new token per row over a group cache.
+// erpo-jax's kernels for XLA's CPU, in float32: the product y [out, N] = W [out, in] @ x [in, N] for the few
+// dozen columns N of a decode step, the attention of one new token per row over a group cache, and the update's
+// group attention forward and backward (below, "The update's attention").
 //
 // The product: W comes packed in panels of kRows rows stored k-major,
 // panel[p][k][i] = W[p * kRows + i, k] (zero rows pad the last panel), so each panel is one contiguous stream
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -119,7 +121,7 @@ void RunPanels(const Job& job, int64_t p0, int64_t p1) {
 // is left, and the caller waits only for chunks already claimed, which are being computed. A helper that starts
 // late (the pool busy with other ops) finds nothing left and returns, so a call never waits on the pool's queue.
 template <typename F>
-void SharePanels(ffi::ThreadPool& pool, int64_t panels, F fn) {
+void SharePanels(ffi::ThreadPool& pool, int64_t panels, F fn, int64_t chunks_per_thread = 4) {
   struct Share {
     std::atomic<int64_t> next{0}, done{0};
     int64_t chunks, panels;
@@ -127,7 +129,7 @@ void SharePanels(ffi::ThreadPool& pool, int64_t panels, F fn) {
   auto share = std::make_shared<Share>();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   share->panels = panels;
-  share->chunks = std::min<int64_t>(panels, threads * 4);
+  share->chunks = std::min<int64_t>(panels, threads * chunks_per_thread);
   auto run = [share, fn] {
     for (;;) {
       const int64_t c = share->next.fetch_add(1, std::memory_order_relaxed);
@@ -423,6 +425,332 @@ ffi::Error GroupDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   return ffi::Error::Success();
 }
 
+
+
+// --- The update's attention: a group's response rows over their shared prompt's keys and their own
+
+// Forward and backward of model/group_attention.py's softmax attention, one unit of work per (prompt b, key
+// head k): the unit copies its prompt's keys and values once, each row's response keys and values after them,
+// and walks the query heads of k and the response positions in tiles of kTile queries. A query at response
+// position r sees the prompt's first L = prompt_len[b] slots and response slots r' <= r; the tile reads no key
+// past its last query's. The backward recomputes the probabilities from the forward's log-sum-exp.
+constexpr int kTile = 4;  // queries per tile
+
+struct TrainAttention {
+  const float *q, *kp, *vp, *kr, *vr;  // [N, R, H, Dh], [B, P, K, Dh] x 2, [N, R, K, Dh] x 2
+  const int32_t* prompt_len;           // [B]
+  const float *o, *lse, *dout;         // backward: the forward's [N, R, H, Dh], [N, R, H]; the cotangent
+  float *out, *out_lse;                // forward: [N, R, H, Dh], [N, R, H]
+  float *dq, *dkp, *dvp, *dkr, *dvr;   // backward: the shapes of q, kp, vp, kr, vr
+  int64_t N, B, G, R, H, K, Dh, P;
+  float scale;
+};
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// s[i][j] = x_i . cols[:, j] for the kTile rows x_i (Dh floats each), j < T (T a multiple of kLanes), cols
+// [Dh, ld]; two vectors of slots at a time.
+template <int C>
+inline void ScoreBlocks(const float* const* x, int64_t Dh, const float* cols, int64_t ld, int64_t j0, float* s,
+                        int64_t lds) {
+  Vec acc[kTile][C];
+  for (int i = 0; i < kTile; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = Zero();
+  for (int64_t d = 0; d < Dh; ++d) {
+    Vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = Load(cols + d * ld + j0 + c * kLanes);
+    for (int i = 0; i < kTile; ++i) {
+      const Vec q = Splat(x[i][d]);
+      for (int c = 0; c < C; ++c) acc[i][c] = Fma(q, k[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < kTile; ++i)
+    for (int c = 0; c < C; ++c) Store(s + i * lds + j0 + c * kLanes, acc[i][c]);
+}
+
+inline void TileScores(const float* const* x, int64_t Dh, const float* cols, int64_t ld, int64_t T, float* s,
+                       int64_t lds) {
+  int64_t j0 = 0;
+  for (; j0 + 2 * kLanes <= T; j0 += 2 * kLanes) ScoreBlocks<2>(x, Dh, cols, ld, j0, s, lds);
+  if (j0 < T) ScoreBlocks<1>(x, Dh, cols, ld, j0, s, lds);
+}
+
+// y[i][0, Dp) = sum_{j < T} w[i][j] rows[j][0, Dp) for i < kTile; Dp a multiple of kLanes.
+inline void TileWeightedRows(const float* w, int64_t ldw, const float* rows, int64_t Dp, int64_t T, float* y,
+                             int64_t ldy) {
+  constexpr int V = 4;
+  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes) {
+    const int nv = static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes));
+    Vec acc[kTile][V];
+    for (int i = 0; i < kTile; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = Zero();
+    for (int64_t j = 0; j < T; ++j) {
+      Vec r[V];
+      for (int v = 0; v < nv; ++v) r[v] = Load(rows + j * Dp + d0 + v * kLanes);
+      for (int i = 0; i < kTile; ++i) {
+        const Vec a = Splat(w[i * ldw + j]);
+        for (int v = 0; v < nv; ++v) acc[i][v] = Fma(a, r[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < kTile; ++i)
+      for (int v = 0; v < nv; ++v) Store(y + i * ldy + d0 + v * kLanes, acc[i][v]);
+  }
+}
+
+// rows[j][0, Dp) += sum_i w[i][j] x_i[0, Dp) for j < T, the kTile rows x_i held in registers a block at a time.
+inline void AddOuter(const float* w, int64_t ldw, const float* const* x, int64_t Dp, int64_t T, float* rows) {
+  constexpr int V = 4;
+  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes) {
+    const int nv = static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes));
+    Vec xs[kTile][V];
+    for (int i = 0; i < kTile; ++i)
+      for (int v = 0; v < nv; ++v) xs[i][v] = Load(x[i] + d0 + v * kLanes);
+    for (int64_t j = 0; j < T; ++j) {
+      float* row = rows + j * Dp + d0;
+      Vec acc[V];
+      for (int v = 0; v < nv; ++v) acc[v] = Load(row + v * kLanes);
+      for (int i = 0; i < kTile; ++i) {
+        const Vec a = Splat(w[i * ldw + j]);
+        for (int v = 0; v < nv; ++v) acc[v] = Fma(a, xs[i][v], acc[v]);
+      }
+      for (int v = 0; v < nv; ++v) Store(row + v * kLanes, acc[v]);
+    }
+  }
+}
+
+// Pointers to the tile's rows of x (row r0 + i at x + (r0 + i) * stride, Dh floats): in place when Dh fills
+// whole vectors, else copied into buf [kTile, Dp] with zeros after Dh; rows past R point to zeros.
+inline void TileRows(const float* x, int64_t stride, int64_t r0, int64_t R, int64_t Dh, int64_t Dp, float* buf,
+                     const float* rows[kTile]) {
+  const int64_t n = std::min<int64_t>(kTile, R - r0);
+  if (Dh != Dp || n < kTile) std::fill(buf, buf + kTile * Dp, 0.0f);
+  for (int64_t i = 0; i < kTile; ++i) {
+    if (i < n && Dh == Dp) {
+      rows[i] = x + (r0 + i) * stride;
+    } else {
+      if (i < n) std::memcpy(buf + i * Dp, x + (r0 + i) * stride, Dh * sizeof(float));
+      rows[i] = buf + i * Dp;
+    }
+  }
+}
+
+// The unit's keys and values: slots [0, L) the prompt's, [L, L + R) row n's responses; as rows [Tp, Dp] and
+// as columns [Dh, Tp], zero past them. The forward reads keys as columns and values as rows; the backward keys
+// both ways and values as columns.
+struct UnitKeys {
+  bool backward;
+  int64_t L, T, Tp, Dp;
+  std::vector<float> k_rows, v_rows, k_cols, v_cols;
+};
+
+// Slots [j0, j0 + count) from x + i * stride (i < count, Dh floats each) into the unit's layouts.
+void CopySlots(const float* x, int64_t stride, int64_t count, int64_t j0, int64_t Dh, UnitKeys& u, bool keys) {
+  const bool as_rows = keys ? u.backward : !u.backward, as_cols = keys || u.backward;
+  float* rows = (keys ? u.k_rows : u.v_rows).data();
+  float* cols = (keys ? u.k_cols : u.v_cols).data();
+  if (as_rows)
+    for (int64_t i = 0; i < count; ++i) std::memcpy(rows + (j0 + i) * u.Dp, x + i * stride, Dh * sizeof(float));
+  if (as_cols)
+    for (int64_t d = 0; d < Dh; ++d)
+      for (int64_t i = 0; i < count; ++i) cols[d * u.Tp + j0 + i] = x[i * stride + d];
+}
+
+void LoadPrompt(const TrainAttention& a, int64_t b, int64_t k, UnitKeys& u) {
+  u.L = std::min<int64_t>(std::max<int32_t>(a.prompt_len[b], 0), a.P);
+  u.T = u.L + a.R;
+  u.Tp = RoundUp(u.T, kLanes);
+  u.Dp = RoundUp(a.Dh, kLanes);
+  for (auto* m : {&u.k_rows, &u.v_rows}) m->assign(u.Tp * u.Dp, 0.0f);
+  for (auto* m : {&u.k_cols, &u.v_cols}) m->assign(a.Dh * u.Tp, 0.0f);
+  const int64_t at = (b * a.P * a.K + k) * a.Dh, stride = a.K * a.Dh;
+  CopySlots(a.kp + at, stride, u.L, 0, a.Dh, u, true);
+  CopySlots(a.vp + at, stride, u.L, 0, a.Dh, u, false);
+}
+
+void LoadResponses(const TrainAttention& a, int64_t n, int64_t k, UnitKeys& u) {
+  const int64_t at = (n * a.R * a.K + k) * a.Dh, stride = a.K * a.Dh;
+  CopySlots(a.kr + at, stride, a.R, u.L, a.Dh, u, true);
+  CopySlots(a.vr + at, stride, a.R, u.L, a.Dh, u, false);
+}
+
+// The tile's scaled scores (T slots of each of its queries; -inf past a query's last slot) and pointers to its
+// queries (TileRows).
+int64_t TileQueries(const TrainAttention& a, const UnitKeys& u, int64_t n, int64_t head, int64_t r0, float* qbuf,
+                    const float* qs[kTile], float* s, int64_t lds) {
+  TileRows(a.q + (n * a.R * a.H + head) * a.Dh, a.H * a.Dh, r0, a.R, a.Dh, u.Dp, qbuf, qs);
+  const int64_t T = RoundUp(u.L + std::min<int64_t>(a.R, r0 + kTile), kLanes);
+  TileScores(qs, a.Dh, u.k_cols.data(), u.Tp, T, s, lds);
+  for (int i = 0; i < kTile; ++i) {
+    float* si = s + i * lds;
+    for (int64_t j = 0; j < T; j += kLanes) Store(si + j, Load(si + j) * Splat(a.scale));
+    for (int64_t j = u.L + r0 + i + 1; j < T; ++j) si[j] = -INFINITY;  // past the query's last slot
+  }
+  return T;
+}
+
+// p[i][j] = exp(s[i][j] - m_i) over j < T (0 where s is -inf).
+inline void ExpShifted(float* s, int64_t T, float m) {
+  for (int64_t j = 0; j < T; j += kLanes) Store(s + j, ExpNonPositive(Load(s + j) - Splat(m)));
+}
+
+void ForwardUnit(const TrainAttention& a, int64_t b, int64_t k, UnitKeys& u) {
+  LoadPrompt(a, b, k, u);
+  const int64_t Dh = a.Dh, hk = a.H / a.K, lds = u.Tp;
+  std::vector<float> qbuf(kTile * u.Dp), s(kTile * lds), y(kTile * u.Dp);
+  const float* qs[kTile];
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t n = b * a.G + g;
+    LoadResponses(a, n, k, u);
+    for (int64_t hh = 0; hh < hk; ++hh) {
+      const int64_t head = k * hk + hh;
+      for (int64_t r0 = 0; r0 < a.R; r0 += kTile) {
+        const int64_t T = TileQueries(a, u, n, head, r0, qbuf.data(), qs, s.data(), lds);
+        float sums[kTile], tops[kTile];
+        for (int i = 0; i < kTile; ++i) {
+          float* si = s.data() + i * lds;
+          Vec m = Splat(-INFINITY);
+          for (int64_t j = 0; j < T; j += kLanes) m = Max(m, Load(si + j));
+          tops[i] = -INFINITY;
+          alignas(64) float lanes[kLanes];
+          Store(lanes, m);
+          for (int l = 0; l < kLanes; ++l) tops[i] = std::max(tops[i], lanes[l]);
+          ExpShifted(si, T, tops[i]);
+          Vec acc = Zero();
+          for (int64_t j = 0; j < T; j += kLanes) acc = acc + Load(si + j);
+          sums[i] = Sum(acc);
+        }
+        TileWeightedRows(s.data(), lds, u.v_rows.data(), u.Dp, T, y.data(), u.Dp);
+        for (int64_t i = 0; i < std::min<int64_t>(kTile, a.R - r0); ++i) {
+          const int64_t at = (n * a.R + r0 + i) * a.H + head;
+          for (int64_t d = 0; d < Dh; ++d) a.out[at * Dh + d] = y[i * u.Dp + d] / sums[i];
+          a.out_lse[at] = tops[i] + std::log(sums[i]);
+        }
+      }
+    }
+  }
+}
+
+void BackwardUnit(const TrainAttention& a, int64_t b, int64_t k, UnitKeys& u) {
+  LoadPrompt(a, b, k, u);
+  const int64_t Dh = a.Dh, hk = a.H / a.K, lds = u.Tp, Dp = u.Dp, L = u.L;
+  std::vector<float> qbuf(kTile * Dp), dobuf(kTile * Dp), s(kTile * lds), dp(kTile * lds), dqs(kTile * Dp);
+  const float *qs[kTile], *dos[kTile];
+  std::vector<float> dk(u.Tp * Dp), dv(u.Tp * Dp);  // slots [0, L) summed over the group's rows
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t n = b * a.G + g;
+    LoadResponses(a, n, k, u);
+    std::fill(dk.begin() + L * Dp, dk.end(), 0.0f);
+    std::fill(dv.begin() + L * Dp, dv.end(), 0.0f);
+    for (int64_t hh = 0; hh < hk; ++hh) {
+      const int64_t head = k * hk + hh;
+      for (int64_t r0 = 0; r0 < a.R; r0 += kTile) {
+        const int64_t T = TileQueries(a, u, n, head, r0, qbuf.data(), qs, s.data(), lds);
+        const int64_t rows = std::min<int64_t>(kTile, a.R - r0);
+        TileRows(a.dout + (n * a.R * a.H + head) * Dh, a.H * Dh, r0, a.R, Dh, Dp, dobuf.data(), dos);
+        float delta[kTile] = {}, lse[kTile] = {};
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t at = (n * a.R + r0 + i) * a.H + head;
+          delta[i] = Dot(a.dout + at * Dh, a.o + at * Dh, Dh);
+          lse[i] = a.lse[at];
+        }
+        for (int i = 0; i < kTile; ++i) ExpShifted(s.data() + i * lds, T, i < rows ? lse[i] : INFINITY);
+        // s holds the probabilities p; dp = dout . v_j; ds = p (dp - delta)
+        TileScores(dos, Dh, u.v_cols.data(), u.Tp, T, dp.data(), lds);
+        for (int i = 0; i < kTile; ++i) {
+          const Vec dl = Splat(delta[i]), sc = Splat(a.scale);
+          for (int64_t j = 0; j < T; j += kLanes) {
+            float* at = dp.data() + i * lds + j;
+            Store(at, Load(s.data() + i * lds + j) * (Load(at) - dl) * sc);
+          }
+        }
+        TileWeightedRows(dp.data(), lds, u.k_rows.data(), Dp, T, dqs.data(), Dp);
+        for (int64_t i = 0; i < rows; ++i)
+          std::memcpy(a.dq + ((n * a.R + r0 + i) * a.H + head) * Dh, dqs.data() + i * Dp, Dh * sizeof(float));
+        AddOuter(dp.data(), lds, qs, Dp, T, dk.data());
+        AddOuter(s.data(), lds, dos, Dp, T, dv.data());
+      }
+    }
+    for (int64_t r = 0; r < a.R; ++r) {
+      const int64_t at = ((n * a.R + r) * a.K + k) * Dh;
+      std::memcpy(a.dkr + at, dk.data() + (L + r) * Dp, Dh * sizeof(float));
+      std::memcpy(a.dvr + at, dv.data() + (L + r) * Dp, Dh * sizeof(float));
+    }
+  }
+  for (int64_t p = 0; p < a.P; ++p) {
+    const int64_t at = ((b * a.P + p) * a.K + k) * Dh;
+    for (int64_t d = 0; d < Dh; ++d) {
+      a.dkp[at + d] = p < L ? dk[p * Dp + d] : 0.0f;
+      a.dvp[at + d] = p < L ? dv[p * Dp + d] : 0.0f;
+    }
+  }
+}
+
+// Checks the operands' shapes and fills the fields both directions share; an error message, or empty.
+const char* TrainShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& kp, ffi::Buffer<ffi::F32>& vp,
+                        ffi::Buffer<ffi::F32>& kr, ffi::Buffer<ffi::F32>& vr, ffi::Buffer<ffi::S32>& prompt_len,
+                        TrainAttention& a) {
+  auto qd = q.dimensions(), kd = kp.dimensions(), rd = kr.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || rd.size() != 4 || prompt_len.dimensions().size() != 1)
+    return "operand ranks";
+  a.N = qd[0], a.R = qd[1], a.H = qd[2], a.Dh = qd[3], a.B = kd[0], a.P = kd[1], a.K = kd[2];
+  const std::vector<int64_t> r_dims{a.N, a.R, a.K, a.Dh};
+  if (a.B < 1 || a.N % a.B || a.K < 1 || a.H % a.K || kd[3] != a.Dh || !SameDims(vp.dimensions(), kd) ||
+      !SameDims(rd, r_dims) || !SameDims(vr.dimensions(), r_dims) || prompt_len.dimensions()[0] != a.B)
+    return "expects q [N, R, H, Dh], prompt k, v [B, P, K, Dh], response k, v [N, R, K, Dh], prompt_len [B]";
+  a.G = a.N / a.B;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(a.Dh));
+  a.q = q.typed_data(), a.kp = kp.typed_data(), a.vp = vp.typed_data(), a.kr = kr.typed_data();
+  a.vr = vr.typed_data(), a.prompt_len = prompt_len.typed_data();
+  return "";
+}
+
+template <typename F>
+void ShareUnits(ffi::ThreadPool& pool, const TrainAttention& a, bool backward, F unit) {
+  SharePanels(pool, a.B * a.K, [&a, &unit, backward](int64_t u0, int64_t u1) {
+    UnitKeys keys{backward};
+    for (int64_t u = u0; u < u1; ++u) unit(a, u / a.K, u % a.K, keys);
+  }, a.B * a.K);  // one unit a chunk: a few dozen units of unequal prompts
+}
+
+ffi::Error GroupAttentionForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kp,
+                                 ffi::Buffer<ffi::F32> vp, ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr,
+                                 ffi::Buffer<ffi::S32> prompt_len, ffi::ResultBuffer<ffi::F32> out,
+                                 ffi::ResultBuffer<ffi::F32> lse) {
+  TrainAttention a{};
+  const std::string why = TrainShapes(q, kp, vp, kr, vr, prompt_len, a);
+  const std::vector<int64_t> lse_dims{a.N, a.R, a.H};
+  if (why.empty() && (!SameDims(out->dimensions(), q.dimensions()) || !SameDims(lse->dimensions(), lse_dims)))
+    return ffi::Error::InvalidArgument("erpo_group_attention_fwd_v1: expects out like q, lse [N, R, H]");
+  if (!why.empty()) return ffi::Error::InvalidArgument("erpo_group_attention_fwd_v1: " + why);
+  a.out = out->typed_data(), a.out_lse = lse->typed_data();
+  ShareUnits(pool, a, false, ForwardUnit);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupAttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kp,
+                                  ffi::Buffer<ffi::F32> vp, ffi::Buffer<ffi::F32> kr, ffi::Buffer<ffi::F32> vr,
+                                  ffi::Buffer<ffi::S32> prompt_len, ffi::Buffer<ffi::F32> o,
+                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                                  ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dkp,
+                                  ffi::ResultBuffer<ffi::F32> dvp, ffi::ResultBuffer<ffi::F32> dkr,
+                                  ffi::ResultBuffer<ffi::F32> dvr) {
+  TrainAttention a{};
+  const std::string why = TrainShapes(q, kp, vp, kr, vr, prompt_len, a);
+  if (!why.empty()) return ffi::Error::InvalidArgument("erpo_group_attention_bwd_v1: " + why);
+  const std::vector<int64_t> lse_dims{a.N, a.R, a.H};
+  if (!SameDims(o.dimensions(), q.dimensions()) || !SameDims(dout.dimensions(), q.dimensions()) ||
+      !SameDims(lse.dimensions(), lse_dims) || !SameDims(dq->dimensions(), q.dimensions()) ||
+      !SameDims(dkp->dimensions(), kp.dimensions()) || !SameDims(dvp->dimensions(), kp.dimensions()) ||
+      !SameDims(dkr->dimensions(), kr.dimensions()) || !SameDims(dvr->dimensions(), kr.dimensions()))
+    return ffi::Error::InvalidArgument("erpo_group_attention_bwd_v1: expects o, dout, dq like q, lse [N, R, H], "
+                                       "the key and value gradients like the keys and values");
+  a.o = o.typed_data(), a.lse = lse.typed_data(), a.dout = dout.typed_data();
+  a.dq = dq->typed_data(), a.dkp = dkp->typed_data(), a.dvp = dvp->typed_data();
+  a.dkr = dkr->typed_data(), a.dvr = dvr->typed_data();
+  ShareUnits(pool, a, true, BackwardUnit);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int erpo_panel_rows() { return kRows; }
@@ -456,6 +784,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupDecodeAttention, GroupDecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupAttentionForward, GroupAttentionForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupAttentionBackward, GroupAttentionBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,4 +1,5 @@
-"""Decode's products and attention on the CPU through kernels of our own, in float32.
+"""Decode's products and attention, and the update's group attention, on the CPU through kernels of our own,
+in float32.
 
 Why: a decode step multiplies a few dozen columns by every weight matrix, so it
 is bound by how fast the weights stream in. XLA's CPU dot reads them at about
@@ -15,14 +16,19 @@ of the cache, live or not, and wrote each new key across Dh x K x N cache lines
 reads only the slots the mask marks up to the last, and hands the output back
 column-major for the next product.
 
+The update's attention (`model/group_attention.py`: a group's response rows over
+their prompt's keys and their own) has a forward and a backward here
+(TRAIN_ATTENTION_TARGETS): XLA ran it as batched products of [R, Dh] blocks at a
+third of the matmul peak or less, with transposes around them.
+
 It is C++ against the XLA FFI headers jaxlib ships, built on first use with the
 host's C++ compiler ($CXX, else c++, g++ or clang++) for this CPU
 (-march=native: AVX-512F, or AVX2 with FMA) and kept in
 $XDG_CACHE_HOME/erpo-jax/native (~/.cache/erpo-jax/native), keyed by the
-source, the compiler, jaxlib and the CPU. Decode uses it when the backend is
-the CPU with one device, the compute dtype is float32 and it builds;
-ERPO_JAX_CPU_KERNEL=off turns it off. Otherwise decode runs XLA's dot as
-before (one line on stderr says why when a build fails).
+source, the compiler, jaxlib and the CPU. Decode and the update use it when the
+backend is the CPU with one device, the compute dtype is float32 and it builds;
+ERPO_JAX_CPU_KERNEL=off turns it off. Otherwise they run XLA's ops as before
+(one line on stderr says why when a build fails).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.cc
 TARGET = "erpo_decode_matmul_v1"  # the names compiled programs call; a new ABI takes a new name
 PACK_TARGET = "erpo_pack_panels_v2"
 ATTENTION_TARGET = "erpo_group_decode_attention_v1"
+TRAIN_ATTENTION_TARGETS = ("erpo_group_attention_fwd_v1", "erpo_group_attention_bwd_v1")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lib: tuple[ctypes.CDLL, int] | None = None
@@ -144,13 +151,21 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ErpoPackPanels), platform="cpu")
       jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ErpoGroupDecodeAttention), platform="cpu")
+      for target, fn in zip(TRAIN_ATTENTION_TARGETS, (lib.ErpoGroupAttentionForward, lib.ErpoGroupAttentionBackward)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
       _lib = (lib, int(lib.erpo_panel_rows()))
     except (RuntimeError, OSError) as e:
       _why_not = f"it did not build ({e})"
   if _why_not is not None:
-    print(f"erpo-jax: decoding with XLA's dot, not the CPU decode kernel: {_why_not}; "
+    print(f"erpo-jax: decoding and the update's attention with XLA's ops, not the CPU kernel: {_why_not}; "
           f"{ENV}=off skips the kernel", file=sys.stderr, flush=True)
   return _lib
+
+
+def require() -> None:
+  """Builds and registers the library (once), or raises RuntimeError saying why it cannot be."""
+  if _load() is None:
+    raise RuntimeError(f"the CPU kernel library is not available: {_why_not}")
 
 
 def wanted() -> bool:
@@ -160,18 +175,20 @@ def wanted() -> bool:
 
 
 def usable(dtype) -> bool:
-  """Whether decode's products of this compute dtype run through the kernel (builds it on the first yes)."""
+  """Whether decode's products and the update's attention of this compute dtype run through the kernel (builds
+  it on the first yes)."""
   return (wanted() and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
           and jax.device_count() == 1 and _load() is not None)
 
 
 def status() -> str:
-  """One phrase for bench output: "on (12-row panels, float32 decode)" or "off: <why>"."""
+  """One phrase for bench output: "on (12-row panels, float32 decode and update attention)" or "off: <why>"."""
   if not wanted():
     return f"off: {ENV}=off" if _forced is None else "off"
   if jax.default_backend() != "cpu" or jax.device_count() != 1:
     return "off: only for one CPU device"
-  return f"on ({_lib[1]}-row panels, float32 decode)" if _load() is not None else f"off: {_why_not}"
+  return (f"on ({_lib[1]}-row panels, float32 decode and update attention)" if _load() is not None
+          else f"off: {_why_not}")
 
 
 @contextlib.contextmanager

@@ -181,7 +181,7 @@ def test_sampled_rollouts_with_the_kernel_have_the_models_log_probs(kernel_rows)
 
 def test_bfloat16_and_the_environment_switch_keep_xla_dot(kernel_rows, monkeypatch):
   with cpu_kernel.forced(True):
-    assert cpu_kernel.status() == f"on ({kernel_rows}-row panels, float32 decode)"
+    assert cpu_kernel.status() == f"on ({kernel_rows}-row panels, float32 decode and update attention)"
   assert not cpu_kernel.usable(jnp.bfloat16)
   monkeypatch.setenv(cpu_kernel.ENV, "off")
   assert not cpu_kernel.usable(jnp.float32)
@@ -203,8 +203,8 @@ def test_without_a_compiler_decode_keeps_xla_dot_and_says_why_once(tmp_path):
   assert done.returncode == 0, done.stderr
   assert done.stdout.splitlines() == ["False", "off: no C++ compiler (set CXX or install g++)"]
   said = [ln for ln in done.stderr.splitlines() if "erpo-jax:" in ln]
-  assert said == ["erpo-jax: decoding with XLA's dot, not the CPU decode kernel: no C++ compiler (set CXX or "
-                  "install g++); ERPO_JAX_CPU_KERNEL=off skips the kernel"]
+  assert said == ["erpo-jax: decoding and the update's attention with XLA's ops, not the CPU kernel: no C++ "
+                  "compiler (set CXX or install g++); ERPO_JAX_CPU_KERNEL=off skips the kernel"]
 
 
 def test_a_failed_build_keeps_xla_dot_and_quotes_the_compiler(tmp_path):
