@@ -539,7 +539,7 @@ inline void TileRows(const float* x, int64_t stride, int64_t r0, int64_t R, int6
 // both ways and values as columns.
 struct UnitKeys {
   bool backward;
-  int64_t L, T, Tp, Dp;
+  int64_t L, Tp, Dp;
   std::vector<float> k_rows, v_rows, k_cols, v_cols;
 };
 
@@ -557,8 +557,7 @@ void CopySlots(const float* x, int64_t stride, int64_t count, int64_t j0, int64_
 
 void LoadPrompt(const TrainAttention& a, int64_t b, int64_t k, UnitKeys& u) {
   u.L = std::min<int64_t>(std::max<int32_t>(a.prompt_len[b], 0), a.P);
-  u.T = u.L + a.R;
-  u.Tp = RoundUp(u.T, kLanes);
+  u.Tp = RoundUp(u.L + a.R, kLanes);
   u.Dp = RoundUp(a.Dh, kLanes);
   for (auto* m : {&u.k_rows, &u.v_rows}) m->assign(u.Tp * u.Dp, 0.0f);
   for (auto* m : {&u.k_cols, &u.v_cols}) m->assign(a.Dh * u.Tp, 0.0f);
