@@ -224,6 +224,12 @@ inline Vec ExpNonPositive(Vec x) {
   return ZeroBelow(TimesPow2(y, n), x, kExpLow);
 }
 
+inline float MaxOf(Vec v) {
+  alignas(64) float lanes[kLanes];
+  Store(lanes, v);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
 inline float Dot(const float* a, const float* b, int64_t n) {
   Vec acc = Zero();
   int64_t d = 0;
@@ -356,9 +362,7 @@ void AttendGroupHead(const Attention& a, int64_t b, int64_t kh) {
         Vec tops = Splat(-INFINITY);
         int64_t t = 0;
         for (; t + kLanes <= count; t += kLanes) tops = Max(tops, Load(x + t));
-        alignas(64) float lanes[kLanes];
-        Store(lanes, tops);
-        for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
+        top = MaxOf(tops);
         for (; t < count; ++t) top = std::max(top, x[t]);
       }
       Vec total = Zero();
@@ -609,10 +613,7 @@ void ForwardUnit(const TrainAttention& a, int64_t b, int64_t k, UnitKeys& u) {
           float* si = s.data() + i * lds;
           Vec m = Splat(-INFINITY);
           for (int64_t j = 0; j < T; j += kLanes) m = Max(m, Load(si + j));
-          tops[i] = -INFINITY;
-          alignas(64) float lanes[kLanes];
-          Store(lanes, m);
-          for (int l = 0; l < kLanes; ++l) tops[i] = std::max(tops[i], lanes[l]);
+          tops[i] = MaxOf(m);
           ExpShifted(si, T, tops[i]);
           Vec acc = Zero();
           for (int64_t j = 0; j < T; j += kLanes) acc = acc + Load(si + j);
@@ -717,10 +718,10 @@ ffi::Error GroupAttentionForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
                                  ffi::ResultBuffer<ffi::F32> lse) {
   TrainAttention a{};
   const std::string why = TrainShapes(q, kp, vp, kr, vr, prompt_len, a);
-  const std::vector<int64_t> lse_dims{a.N, a.R, a.H};
-  if (why.empty() && (!SameDims(out->dimensions(), q.dimensions()) || !SameDims(lse->dimensions(), lse_dims)))
-    return ffi::Error::InvalidArgument("erpo_group_attention_fwd_v1: expects out like q, lse [N, R, H]");
   if (!why.empty()) return ffi::Error::InvalidArgument("erpo_group_attention_fwd_v1: " + why);
+  const std::vector<int64_t> lse_dims{a.N, a.R, a.H};
+  if (!SameDims(out->dimensions(), q.dimensions()) || !SameDims(lse->dimensions(), lse_dims))
+    return ffi::Error::InvalidArgument("erpo_group_attention_fwd_v1: expects out like q, lse [N, R, H]");
   a.out = out->typed_data(), a.out_lse = lse->typed_data();
   ShareUnits(pool, a, false, ForwardUnit);
   return ffi::Error::Success();
@@ -787,27 +788,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupDecodeAttention, GroupDecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+// The operands both directions of the update's attention take first: q, prompt k, v, response k, v, prompt_len.
+static auto BindTrainAttention() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupAttentionForward, GroupAttentionForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              BindTrainAttention().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ErpoGroupAttentionBackward, GroupAttentionBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              BindTrainAttention()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
