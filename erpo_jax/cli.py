@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import re
 import sys
-import threading
 
-from erpo_jax import allocator
+from erpo_jax import allocator, cli_logs
 from erpo_jax.cli_types import positive_float, positive_int, step_variants, temperature
-from erpo_jax.errors import NonFiniteError, UserError
+from erpo_jax.errors import USER_ERRNOS, NonFiniteError, UserError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -34,11 +32,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 MAX_ERROR_CHARS = 600  # an error line is cut here: a value in a message can be any size
 
-# OSErrors of the user's environment (a full disk, permissions, a path that is not what it should be)
-# are one line like a UserError. Any other OSError is a bug and keeps its traceback.
-USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,
-                         errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
-                         errno.ELOOP, errno.EMFILE, errno.ENFILE, errno.EIO})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -227,53 +220,11 @@ def _dispatch(args: argparse.Namespace) -> int:
   return 0
 
 
-class _OrbaxErrorLogs(logging.Filter):
-  """Orbax's error logs (a traceback from each thread of a failed checkpoint write) and its warning that an
-  item folder (params/) has no _CHECKPOINT_METADATA of its own, which every restore of one item prints
-  although the checkpoint's metadata is one level up."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    if record.levelno == logging.WARNING and message.startswith("Metadata file does not exist"):
-      return False
-    return not (record.levelno >= logging.ERROR and "orbax" in f"{record.pathname} {message}")
-
-
-def _report_checkpoint_write_errors_once() -> None:
-  """A failed checkpoint write reaches the user as ONE line (CheckpointWriteError, raised by the trainer).
-
-  Orbax also logs it from each of its writer threads, and tensorstore's late callbacks
-  into Orbax's closed event loop print "Event loop is closed" tracebacks; those are dropped.
-  """
-  import absl.logging  # noqa: F401  (creates the "absl" logger the filter goes on; absl is heavy, so only here)
-  if any(isinstance(f, _OrbaxErrorLogs) for f in logging.getLogger("absl").filters):
-    return  # main() ran before in this process
-  for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(_OrbaxErrorLogs())
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-
-  # A writer thread (TensorBoard's) that fails on a full disk or a permission is reported by the main
-  # thread in one line (MetricsWriter checks the thread); its own traceback is dropped.
-  previous_thread_hook = threading.excepthook
-
-  def thread_hook(args):
-    if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in USER_ERRNOS):
-      previous_thread_hook(args)
-
-  threading.excepthook = thread_hook
-
-
 def main(argv: list[str] | None = None) -> int:
   if argv is None:  # the command itself
     allocator.reexec_if_needed()
   args = parse_args(argv)
-  _report_checkpoint_write_errors_once()
+  cli_logs.install()
   try:
     return _dispatch(args)
   except (UserError, NonFiniteError) as e:  # NonFiniteError names the step; exit code 3 tells it from a mistake

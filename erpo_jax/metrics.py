@@ -63,6 +63,7 @@ SPEC_SCALARS = (
     "time/rollout",  # seconds per step in each phase
     "time/reward",
     "time/reference",
+    "time/checkpoint_wait",  # for the previous checkpoint's background write to end, before the update
     "time/update",
     "host/page_faults",  # minor page faults of the trainer process during the step (all threads)
     "host/system_s",  # CPU seconds the kernel spent for the trainer process during the step

@@ -191,6 +191,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         index_log.flush()
       # A checkpoint written in the background holds a host copy of the parameters and optimizer state until it
       # is on disk: it ends during the rollout, not beside the update's peak.
+      t_wait = time.perf_counter()
       ckpt.wait()
       t2 = time.perf_counter()
 
@@ -229,7 +230,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                     penalty_N))
         last.update(sampling)
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
-                     "time/update": t4 - t3, "time/step": t4 - t0,
+                     "time/checkpoint_wait": t2 - t_wait, "time/update": t4 - t3, "time/step": t4 - t0,
                      "host/page_faults": faults4 - faults0, "host/system_s": system4 - system0})
         if step == start + 1:  # set-up and compilation included: cold vs warm compilation cache
           last["time/to_first_step"] = t4 - t_start

@@ -1,10 +1,11 @@
 """The CLI's one error boundary: a user's mistake is one line on stderr and exit code 2; a bug keeps its traceback."""
 
 import errno
+import logging
 
 import pytest
 
-from erpo_jax import cli
+from erpo_jax import cli, cli_logs
 from erpo_jax.errors import ConfigError
 
 ARGS = ["train", "--config", "configs/tiny.yaml"]
@@ -111,3 +112,16 @@ def test_a_stray_flag_or_bench_kind_is_an_argparse_error(capsys, argv, needle):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and needle in err, err
+
+
+def test_orbax_warning_about_the_trainers_own_checkpoint_wait_is_dropped_and_other_warnings_pass(caplog):
+  # A save warns "Waiting for previous save to complete took N seconds" for the wait the loop did after an
+  # earlier step's rollout; that step logs it as time/checkpoint_wait, so the CLI drops the warning.
+  cli_logs.install()
+  absl_logger = logging.getLogger("absl")
+  with caplog.at_level(logging.WARNING):
+    absl_logger.warning("Waiting for previous save to complete took %f seconds. If this number is high, "
+                        "consider checkpointing less frequently.", 6.69)
+    absl_logger.warning("Metadata file does not exist: /run/checkpoints/2/params/_CHECKPOINT_METADATA")
+    absl_logger.warning("some other warning")
+  assert [r.getMessage() for r in caplog.records] == ["some other warning"]

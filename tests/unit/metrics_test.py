@@ -119,7 +119,8 @@ def test_spec_scalars_cover_every_metric_the_spec_lists():
                    "clip/high", "clip/dual", "ratio/mean", "ratio/min", "ratio/max", "weight/mean", "weight/min",
                    "weight/max", "prompt_nll/mean", "prompt_nll/min", "prompt_nll/max", "response/len_mean",
                    "response/len_max", "response/truncated", "optim/grad_norm", "optim/lr", "perf/tokens_per_s",
-                   "time/rollout", "time/reward", "time/reference", "time/update", "eval/gap",
+                   "time/rollout", "time/reward", "time/reference", "time/checkpoint_wait", "time/update",
+                   "eval/gap",
                    "reward/overlong_penalty", "loss/masked_truncated"):
     assert required in names
   assert all(re.fullmatch(r"[a-z_]+/[a-z_]+", n) for n in names)

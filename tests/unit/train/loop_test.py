@@ -40,6 +40,17 @@ def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp
   assert (tmp_path / "a" / "checkpoints" / "2").is_dir()  # the last step is always saved
 
 
+def test_a_step_logs_its_wait_for_the_last_checkpoint_write_and_its_phases_add_up_to_its_time(tmp_path):
+  # A save at every step: each later step waits, after its rollout, for the write the step before started.
+  _, _, rows = run(tmp_path, "w", "train.steps=3", "checkpoint.every=1")
+  phases = ("time/rollout", "time/reward", "time/checkpoint_wait", "time/reference", "time/update")
+  for r in rows:
+    assert all(r[k] >= 0 for k in phases)
+    assert sum(r[k] for k in phases) == pytest.approx(r["time/step"], abs=0.05)
+  assert rows[0]["time/checkpoint_wait"] < 0.05  # nothing written before the first step
+  assert sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir()) == [2, 3]  # keep: 2
+
+
 @pytest.mark.slow
 def test_static_weights_come_from_the_reference_cache(tmp_path):
   cfg, last, rows = run(tmp_path, "s", "train.steps=1", "erpo.weights=static")
