@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--iters", type=positive_int, default=None, help="timed iterations (median reported)")
   p.add_argument("--warmup", type=int, default=None, help="untimed warm-up iterations")
   p.add_argument("--against", default=None, metavar="FILE",
-                 help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE), "
-                      "measured on this machine; adds erpo-jax/peer ratios of step, rollout, update, peak RSS")
+                 help="with rl or all: a peer's summary JSON (scripts/peers/trl_grpo_bench.py --json-out FILE) or "
+                      "an earlier bench rl --out FILE (another mode or commit), measured on this machine; adds "
+                      "ratios of step, rollout, update, peak RSS (and work, against erpo-jax)")
   p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON lines to FILE")
   p.add_argument("--variants", type=step_variants, default="abcd",
                  help="step: which update variants to time, letters of abcde (default: abcd)")

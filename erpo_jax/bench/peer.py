@@ -2,14 +2,20 @@
 
 FILE is what scripts/peers/trl_grpo_bench.py writes with --json-out
 ({"summary": ..., "per_step": ...}), its summary object alone, or its log,
-whose last `SUMMARY_JSON {...}` line is read. The ratios (erpo-jax / peer;
-below 1: erpo-jax is faster or smaller), each of medians over the timed steps:
+whose last `SUMMARY_JSON {...}` line is read; or what an earlier `erpo-jax
+bench rl --out FILE` wrote, whose last `rl` record is read: another mode
+(ERPO against GRPO) or another commit, measured on this machine. The ratios
+(erpo-jax / peer; below 1: erpo-jax is faster or smaller), each of medians
+over the timed steps:
 
   step      whole step                          / step_wall_s
   rollout   rollout: sampling the responses     / generate_s
   update    reference phase + update            / ref_logps_fwd_s + update_s
   peak_rss  peak RSS (trainer or a verifier)    / peak_rss_mb
 
+  work      rollout + update FLOPs              / the same (against erpo-jax only)
+
+`work` is the step's time ratio if both steps ran at one time per FLOP.
 TRL computes the reference log-probs inside its rollout and erpo-jax inside
 its update (or from a cache), so `update` adds the reference's time on both
 sides. Rewards are left out of rollout and update on both sides (in step).
@@ -57,6 +63,52 @@ def _text(x: Any) -> str | None:
   return x if isinstance(x, str) and x else None
 
 
+def _mode(rec: dict) -> str:
+  # A cached reference runs the reference forward for the Policy-KL metric every `policy_kl_every` steps.
+  every = (f", Policy-KL every {rec['policy_kl_every']}" if rec.get("reference") == "cached"
+           and rec.get("policy_kl_every") else "")
+  return (f"erpo-jax (kl_on {rec.get('kl_on')}, reference {rec.get('reference')}, weights {rec.get('weights')}"
+          f"{every})")
+
+
+def _work(rec: dict) -> float | None:
+  """A bench rl record's rollout + update FLOPs per step (None when it has no count)."""
+  flops = [rec.get("rollout_flops"), rec.get("update_flops")]
+  return sum(flops) if all(isinstance(f, (int, float)) and f > 0 for f in flops) else None
+
+
+def _rl_record(text: str) -> dict | None:
+  """The last `rl` record of a `bench rl --out` file (JSON lines), or None when the text is not one."""
+  found = None
+  for line in filter(str.strip, text.splitlines()):
+    try:
+      obj = json.loads(line)
+    except ValueError:
+      return None
+    if isinstance(obj, dict) and obj.get("name") == "rl":
+      found = obj
+  return found
+
+
+def _load_rl(rec: dict, path: str) -> dict[str, Any]:
+  """An earlier `bench rl` record as the peer: its medians in the peer summary's keys, its work, its machine."""
+  def number(key: str) -> float:  # positive; the reference phase may take no time (a cached reference)
+    v = rec.get(key)
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        or not (v >= 0 if key == "reference_s" else v > 0)):
+      raise DataError(f"--against '{path}': the rl record's '{key}' is {v!r}, expected a positive number"
+                      + (" (its measurement failed: run it again)" if "error" in rec else ""))
+    return float(v)
+  rss = max(number("peak_rss_bytes"), rec.get("peak_children_rss_bytes") or 0)
+  return {"file": path, "framework": _mode(rec), "device": rec.get("platform"), "cpu_model": _text(rec.get("cpu_model")),
+          "host_cpus": rec.get("host_cpus"), "isa": _text(rec.get("xla_max_isa") or rec.get("cpu_isa")),
+          "allocator": _text(rec.get("allocator")), "allocator_env": {},
+          "work_flops": _work(rec),
+          "figures": {"step_wall_s.median": number("step_s"), "generate_s.median": number("rollout_s"),
+                      "ref_logps_fwd_s.median": number("reference_s"), "update_s.median": number("update_s"),
+                      "peak_rss_mb": rss / 2 ** 20}}
+
+
 def load_peer(path: str) -> dict[str, Any]:
   """The peer's figures and where they were measured; one-line PathError / DataError naming the file and key."""
   try:
@@ -66,6 +118,9 @@ def load_peer(path: str) -> dict[str, Any]:
     raise PathError(f"--against '{path}': {e.strerror or e}") from None
   except UnicodeDecodeError:
     raise DataError(f"--against '{path}': not UTF-8 text (expected the summary JSON of {SCRIPT})") from None
+  rl = _rl_record(text)
+  if rl is not None:
+    return _load_rl(rl, path)
   try:
     summary = _summary_of(text)
   except (ValueError, RecursionError) as e:
@@ -106,6 +161,10 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
             "reference_plus_update_s": f["ref_logps_fwd_s.median"] + f["update_s.median"],
             "peak_rss_bytes": f["peak_rss_mb"] * 2 ** 20}
   ratios = {name: _ratio(ours[k], theirs[k]) for name, k in zip(RATIOS, ours)}
+  if "work_flops" in peer:  # an erpo-jax record: the ratio of the two steps' work too
+    ours["work_flops"], theirs["work_flops"] = _work(rl), peer["work_flops"]
+    ratios["work"] = None if None in (ours["work_flops"], theirs["work_flops"]) else (
+        ours["work_flops"] / theirs["work_flops"])
   platform, kind = rl.get("platform", "cpu"), rl.get("device_kind", "")
   warnings = []
   if peer["cpu_model"] is None:
@@ -126,7 +185,8 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
   if peer["device"] is not None and peer["device"] != platform:
     warnings.append(f"erpo-jax ran on {platform} ({kind}) and the peer on {peer['device']}: the ratios compare "
                     f"different devices")
-  return {"peer": peer["framework"], "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
+  return {"peer": peer["framework"], "erpo_jax_mode": _mode(rl) if "work_flops" in peer else "erpo-jax",
+          "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
           "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind, "isa": isa,
                                    "allocator": ours_alloc},
                       "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"],
@@ -136,12 +196,16 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
 
 def report(rec: dict[str, Any]) -> list[str]:
   """Human lines of an `against` record (the bench prints them on stderr): warnings, then the ratios."""
-  shown = ", ".join(f"{name.replace('_rss', ' RSS')} {v:.2f}x" for name, v in rec["ratios"].items() if v is not None)
+  own = "work" in rec["ratios"]  # against an earlier erpo-jax run: ratios near 1, so three digits
+  shown = ", ".join(f"{name.replace('_rss', ' RSS')} {v:.{3 if own else 2}f}x" for name, v in rec["ratios"].items()
+                    if v is not None)
   m = rec["machine"]
   def on(side: dict[str, Any], device: str | None) -> str:
     return ", ".join(x for x in (device or "unknown", side.get("isa"), side.get("allocator")) if x)
 
-  where = (f"erpo-jax on {m['erpo_jax']['cpu_model']} ({on(m['erpo_jax'], m['erpo_jax']['platform'])}), "
-           f"{rec['peer']} on {m['peer']['cpu_model'] or 'an unnamed CPU'} ({on(m['peer'], m['peer']['device'])})")
+  where = (f"{'this run' if own else 'erpo-jax'} on {m['erpo_jax']['cpu_model']} "
+           f"({on(m['erpo_jax'], m['erpo_jax']['platform'])}), {'the earlier run' if own else rec['peer']} on "
+           f"{m['peer']['cpu_model'] or 'an unnamed CPU'} ({on(m['peer'], m['peer']['device'])})")
   return ([f"warning: {w}" for w in rec["warnings"]]
-          + [f"bench --against {rec['file']}: erpo-jax / {rec['peer']}: {shown or 'no figures'}; {where}"])
+          + [f"bench --against {rec['file']}: {rec.get('erpo_jax_mode', 'erpo-jax')} / {rec['peer']}: "
+             f"{shown or 'no figures'}; {where}"])

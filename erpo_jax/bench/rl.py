@@ -94,7 +94,7 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   out = {"B": cfg.data.batch_size, "G": cfg.rollout.group_size, "N": cfg.data.batch_size * cfg.rollout.group_size,
          "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
          "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,
-         "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
+         "policy_kl_every": cfg.log.policy_kl_every, "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
          **summarize_steps(rows, warmup),
          **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
          **bench_probe.peak_memory(), **bench_probe.device_info(),

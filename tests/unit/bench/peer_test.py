@@ -141,3 +141,61 @@ def test_summary_carries_the_peer_ratios_and_out_file_gets_every_line(tmp_path, 
     bench_run.emit(r, str(out))
   printed = capsys.readouterr().out.splitlines()
   assert out.read_text().splitlines() == printed and json.loads(printed[1])["ratios"]["rollout"] == 0.25
+
+
+# Two `bench rl --out` files of one sitting: GRPO (a reference forward in every update) and ERPO with the cached
+# reference, as the bench writes them (a device record, the rl record, the summary), cut to what is read.
+GRPO_RL = {**RL, "kl_on": "response", "reference": "forward", "weights": "none", "policy_kl_every": 5,
+           "step_s": 14.0, "rollout_s": 3.4, "reference_s": 0.002, "update_s": 10.6, "peak_rss_bytes": 6 * 10 ** 9,
+           "peak_children_rss_bytes": 2 * 10 ** 9, "rollout_flops": 605e9, "update_flops": 1775e9,
+           "cpu_isa": "AVX512+BF16", "allocator": "mimalloc"}
+ERPO_RL = {**GRPO_RL, "kl_on": "prompt", "reference": "cached", "weights": "static", "step_s": 12.25,
+           "rollout_s": 3.5, "update_s": 8.75, "peak_rss_bytes": 6.12 * 10 ** 9, "update_flops": 1428e9}
+
+
+def _bench_out(tmp_path, rl, name="grpo.jsonl") -> str:
+  lines = [{"name": "device", "cpu_model": CPU}, {**GRPO_RL, "step_s": 19.0}, rl,
+           {"name": "summary", "errors": 0}]
+  return _write(tmp_path, "\n".join(json.dumps(x) for x in lines) + "\n", name)
+
+
+def test_an_earlier_bench_rl_record_is_a_peer_and_adds_the_work_ratio(tmp_path):
+  grpo = peer.load_peer(_bench_out(tmp_path, GRPO_RL))
+  # The file's last rl record is the one read.
+  assert grpo["figures"]["step_wall_s.median"] == 14.0 and grpo["work_flops"] == 605e9 + 1775e9
+  rec = peer.compare(ERPO_RL, grpo, CPU)
+  r = rec["ratios"]
+  assert r["step"] == pytest.approx(12.25 / 14.0) and r["rollout"] == pytest.approx(3.5 / 3.4)
+  assert r["update"] == pytest.approx((0.002 + 8.75) / (0.002 + 10.6))
+  assert r["peak_rss"] == pytest.approx(6.12 / 6.0)  # the trainer's RSS, above its verifier's
+  assert r["work"] == pytest.approx((605 + 1428) / (605 + 1775))  # 0.854: the step ratio at one time per FLOP
+  assert rec["warnings"] == []
+  (line,) = peer.report(rec)
+  assert ("erpo-jax (kl_on prompt, reference cached, weights static, Policy-KL every 5) / "
+          "erpo-jax (kl_on response, reference forward, weights none): step 0.875x, rollout 1.029x, "
+          "update 0.826x, peak RSS 1.020x, work 0.854x; this run on " in line)
+  assert "the earlier run on " + CPU in line
+  s = bench_run.summary([ERPO_RL, {"name": "against", **rec}])
+  assert s["rl_work_over_peer"] == pytest.approx(0.8542, abs=1e-4) and s["peer"].startswith("erpo-jax (kl_on resp")
+
+
+def test_an_earlier_run_on_another_allocator_or_without_flop_counts_still_compares_and_says_so(tmp_path):
+  old = {k: v for k, v in GRPO_RL.items() if k != "update_flops"}
+  rec = peer.compare(ERPO_RL, peer.load_peer(_bench_out(tmp_path, {**old, "allocator": "system"})), CPU)
+  assert rec["ratios"]["work"] is None and rec["ratios"]["step"] == pytest.approx(0.875)
+  assert len(rec["warnings"]) == 1 and "erpo-jax ran on mimalloc and the peer on the C library's malloc" in (
+      rec["warnings"][0])
+  assert "work" not in peer.report(rec)[-1]
+
+
+@pytest.mark.parametrize("broken, needle", [
+    ({"error": "RuntimeError: out of memory", "step_s": None}, "'step_s' is None, expected a positive number "
+                                                                 "(its measurement failed: run it again)"),
+    ({"update_s": 0.0}, "'update_s' is 0.0, expected a positive number"),
+    ({"rollout_s": "fast"}, "'rollout_s' is 'fast'"),
+])
+def test_a_failed_or_damaged_rl_record_is_one_error_naming_the_file_and_key(tmp_path, broken, needle):
+  path = _bench_out(tmp_path, {**GRPO_RL, **broken})
+  with pytest.raises(DataError) as e:
+    peer.load_peer(path)
+  assert str(e.value).startswith(f"--against '{path}': the rl record's ") and needle in str(e.value)
