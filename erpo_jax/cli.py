@@ -33,7 +33,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 MAX_ERROR_CHARS = 600  # an error line is cut here: a value in a message can be any size
 
 
-
 class _Parser(argparse.ArgumentParser):
   """argparse with its errors (unknown flag, bad value) as one line, exit code 2."""
 

@@ -21,7 +21,9 @@ MIN_COMPILE_TIME_S = 0.25
 JAX_DEFAULT_MIN_COMPILE_TIME_S = 1.0
 
 _lock = threading.Lock()
-_counts = {"requests": 0, "hits": 0, "written": 0, "saved_s": 0.0}
+_counts = {"requests": 0, "hits": 0, "written": 0, "saved_s": 0.0, "compile_s": 0.0}
+# JAX's event around each program's XLA compilation, or its load from the cache (not tracing or lowering).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _listening = False
 _dir: str | None = None
 
@@ -84,7 +86,8 @@ def setup() -> str | None:
 
 
 def _listen() -> None:
-  """Counts the cache's lookups, hits and written entries (JAX's monitoring events) from now on."""
+  """Counts the cache's lookups, hits and written entries and the compiling time (JAX's monitoring events) from
+  now on."""
   global _listening
   if _listening:
     return
@@ -100,18 +103,27 @@ def _listen() -> None:
         _counts[names[event]] += 1
 
   def on_duration(event: str, duration: float, **kwargs) -> None:
-    if event == "/jax/compilation_cache/compile_time_saved_sec":
+    key = {"/jax/compilation_cache/compile_time_saved_sec": "saved_s", BACKEND_COMPILE_EVENT: "compile_s"}.get(event)
+    if key is not None:
       with _lock:
-        _counts["saved_s"] += duration
+        _counts[key] += duration
 
   monitoring.register_event_listener(on_event)
   monitoring.register_event_duration_secs_listener(on_duration)
   _listening = True
 
 
+def compile_seconds() -> float:
+  """Seconds this process has spent compiling programs with XLA, or loading them from the cache, since the
+  first call of this (or of setup()); differences time the compiling inside a span."""
+  _listen()
+  with _lock:
+    return _counts["compile_s"]
+
+
 def stats() -> dict:
-  """{dir, requests, hits, written, saved_s} since setup(): lookups, entries loaded, entries written, and the
-  compile seconds the loaded entries had cost."""
+  """{dir, requests, hits, written, saved_s, compile_s} since setup(): lookups, entries loaded, entries written,
+  the compile seconds the loaded entries had cost, and the seconds spent compiling or loading."""
   with _lock:
     return {"dir": _dir, **_counts}
 

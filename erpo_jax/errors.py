@@ -43,6 +43,7 @@ class NonFiniteError(Exception):
     super().__init__(f"non-finite {what} at step {step}; no checkpoint was written from this state")
     self.step = step
 
+
 # OSErrors of the user's environment (a full disk, permissions, a path that is not what it should be)
 # are one line like a UserError. Any other OSError is a bug and keeps its traceback.
 USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS,

@@ -65,6 +65,7 @@ SPEC_SCALARS = (
     "time/reference",
     "time/checkpoint_wait",  # for the previous checkpoint's background write to end, before the update
     "time/update",
+    "time/compile",  # of those, compiling programs first met in the step with XLA (or loading them from the cache)
     "host/page_faults",  # minor page faults of the trainer process during the step (all threads)
     "host/system_s",  # CPU seconds the kernel spent for the trainer process during the step
     "eval/gap",  # train accuracy - eval accuracy, on steps where eval runs

@@ -100,10 +100,10 @@ def _load_rl(rec: dict, path: str) -> dict[str, Any]:
                       + (" (its measurement failed: run it again)" if "error" in rec else ""))
     return float(v)
   rss = max(number("peak_rss_bytes"), rec.get("peak_children_rss_bytes") or 0)
-  return {"file": path, "framework": _mode(rec), "device": rec.get("platform"), "cpu_model": _text(rec.get("cpu_model")),
-          "host_cpus": rec.get("host_cpus"), "isa": _text(rec.get("xla_max_isa") or rec.get("cpu_isa")),
-          "allocator": _text(rec.get("allocator")), "allocator_env": {},
-          "work_flops": _work(rec),
+  return {"file": path, "framework": _mode(rec), "device": rec.get("platform"),
+          "cpu_model": _text(rec.get("cpu_model")), "host_cpus": rec.get("host_cpus"),
+          "isa": _text(rec.get("xla_max_isa") or rec.get("cpu_isa")), "allocator": _text(rec.get("allocator")),
+          "allocator_env": {}, "work_flops": _work(rec),
           "figures": {"step_wall_s.median": number("step_s"), "generate_s.median": number("rollout_s"),
                       "ref_logps_fwd_s.median": number("reference_s"), "update_s.median": number("update_s"),
                       "peak_rss_mb": rss / 2 ** 20}}

@@ -3,7 +3,9 @@
 Runs `trainer.train` in this process on a throw-away run folder and reads the
 per-step times the loop itself logs (time/rollout, time/reward, time/update,
 time/step in metrics.jsonl, with host/page_faults and host/system_s); the first `warmup` steps
-(compilation) are left out.
+(compilation) are left out. A timed step that still compiled a program first met there (a response
+capacity the warm-up did not meet; time/compile) keeps that time: the record lists each timed step's
+compiling seconds (`compile_s_per_step`) and the bench prints a warning when they reach COMPILE_WARN_S.
 The loop checkpoints only after its last step, outside the timed steps. The time to
 the first step (time/to_first_step: set-up and compilation) is reported apart, beside
 the record's `compile_cache` counts: run the bench twice for a cold and a warm cache.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Any
 
@@ -28,6 +31,7 @@ from erpo_jax.train.step import needs_old_pass
 from erpo_jax.train.loop import train
 
 PHASES = ("time/rollout", "time/reward", "time/reference", "time/update", "time/step")
+COMPILE_WARN_S = 1.0  # compiling seconds in the timed steps, in all, above which the bench warns
 
 
 def bench_config(cfg, run_dir: str, steps: int):
@@ -47,6 +51,7 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
     vals = [r[k] for r in timed if k in r]
     out[k.replace("time/", "") + "_s"] = bench_probe.median(vals) if vals else None
   out["step_times_s"] = [r["time/step"] for r in timed]
+  out["compile_s_per_step"] = [r.get("time/compile", 0.0) for r in timed]
   out["warmup_step_times_s"] = [r["time/step"] for r in rows if r["step"] <= warmup]
   # From train()'s start to the end of step 1: set-up and compilation (cold or warm compilation cache).
   out["to_first_step_s"] = rows[0].get("time/to_first_step") if rows else None
@@ -94,9 +99,25 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   out = {"B": cfg.data.batch_size, "G": cfg.rollout.group_size, "N": cfg.data.batch_size * cfg.rollout.group_size,
          "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
          "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,
-         "policy_kl_every": cfg.log.policy_kl_every, "shared_prefix": cfg.model.shared_prefix, "iters": iters, "warmup": warmup,
+         "policy_kl_every": cfg.log.policy_kl_every, "shared_prefix": cfg.model.shared_prefix, "iters": iters,
+         "warmup": warmup,
          **summarize_steps(rows, warmup),
          **work_per_step(cfg, model_config(cfg.model), [r for r in rows if r["step"] > warmup]),
          **bench_probe.peak_memory(), **bench_probe.device_info(),
          **bench_probe.host_window_fields(window)}
+  warning = compile_warning(out)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   return out
+
+
+def compile_warning(rec: dict[str, Any]) -> str | None:
+  """The warning line of an rl record whose timed steps compiled programs for COMPILE_WARN_S or more."""
+  compiling = [(step, s) for step, s in zip(rec["timed_steps"], rec["compile_s_per_step"]) if s >= 0.1]
+  total = sum(s for _, s in compiling)
+  if total < COMPILE_WARN_S:
+    return None
+  where = ", ".join(f"step {step} {s:.1f} s" for step, s in compiling)
+  return (f"warning: bench rl: {len(compiling)} of {len(rec['timed_steps'])} timed steps compiled programs first "
+          f"met there ({where}) and their times include it; the compilation cache loads them next time: run "
+          f"the bench again, or give it more --warmup steps")

@@ -150,6 +150,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
     for step in range(start + 1, cfg.train.steps + 1):
       t0 = time.perf_counter()
       faults0, system0 = allocator.process_usage()
+      compile0 = compile_cache.compile_seconds()
       step_key = jax.random.fold_in(base_key, step)
       seconds = {"rollout": 0.0, "reward": 0.0}  # summed over the rounds drawn
 
@@ -207,6 +208,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       faults4, system4 = allocator.process_usage()
+      compile4 = compile_cache.compile_seconds()
       if step == start + 1:
         multihost.log(_first_step_line(step, t_start, t0, t4))
       if not finite:
@@ -231,6 +233,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         last.update(sampling)
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
                      "time/checkpoint_wait": t2 - t_wait, "time/update": t4 - t3, "time/step": t4 - t0,
+                     "time/compile": compile4 - compile0,  # of the phases' time, for programs first met
                      "host/page_faults": faults4 - faults0, "host/system_s": system4 - system0})
         if step == start + 1:  # set-up and compilation included: cold vs warm compilation cache
           last["time/to_first_step"] = t4 - t_start

@@ -72,7 +72,19 @@ def test_an_unwritable_cache_folder_is_one_warning_line_and_the_program_still_ru
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert lines == [f"warning: compilation cache '{blocker / 'xla'}' is not writable (Not a directory); running "
                    "without it (set ERPO_JAX_CACHE_DIR=<a folder> or ERPO_JAX_CACHE_DIR=off)"]
-  assert stats == {"dir": None, "requests": 0, "hits": 0, "written": 0, "saved_s": 0.0}
+  assert stats == {"dir": None, "requests": 0, "hits": 0, "written": 0, "saved_s": 0.0, "compile_s": 0.0}
+
+
+def test_compile_seconds_grow_when_a_program_is_first_met_and_not_when_it_runs_again():
+  import jax
+  import jax.numpy as jnp
+
+  f = jax.jit(lambda x: jnp.tanh(x @ x.T + 0.125).sum())  # a program no other test compiles
+  before = compile_cache.compile_seconds()
+  assert float(f(jnp.ones((8, 8)))) == pytest.approx(64 * float(jnp.tanh(8.125)))
+  compiled = compile_cache.compile_seconds()
+  f(jnp.ones((8, 8))).block_until_ready()
+  assert compiled > before and compile_cache.compile_seconds() == compiled
 
 
 @pytest.mark.slow

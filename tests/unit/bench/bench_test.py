@@ -173,6 +173,21 @@ def test_rl_summary_leaves_out_the_warmup_steps():
   assert out["to_first_step_s"] == 42.0  # set-up and compilation, apart from the medians
 
 
+def test_rl_timed_steps_that_compiled_are_listed_and_warned_about():
+  rows = [{"step": 1, "time/step": 30.0, "time/compile": 20.0},
+          {"step": 2, "time/step": 9.0, "time/compile": 4.5},  # a response capacity first met after the warm-up
+          {"step": 3, "time/step": 5.0, "time/compile": 0.0},
+          {"step": 4, "time/step": 5.5, "time/compile": 0.05},  # an eager op or two: not worth a word
+          {"step": 5, "time/step": 4.0}]  # logged before steps timed their compiling
+  out = bench_rl.summarize_steps(rows, warmup=1)
+  assert out["compile_s_per_step"] == [4.5, 0.0, 0.05, 0.0]
+  assert bench_rl.compile_warning(out) == (
+      "warning: bench rl: 1 of 4 timed steps compiled programs first met there (step 2 4.5 s) and their times "
+      "include it; the compilation cache loads them next time: run the bench again, or give it more --warmup steps")
+  quiet = bench_rl.summarize_steps([{**r, "time/compile": 0.0} for r in rows], warmup=1)
+  assert bench_rl.compile_warning(quiet) is None
+
+
 def test_sampler_without_stop_tokens_runs_every_row_to_full_length():
   mc = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                    head_dim=8, intermediate_size=32)
