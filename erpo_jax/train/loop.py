@@ -74,7 +74,8 @@ def _first_step_line(step: int, t_start: float, t_step: float, t_end: float) -> 
   compilation cache held (a relaunch with a warm cache loads its programs instead of compiling them)."""
   huge_pages = allocator.huge_pages()
   return (f"step {step} is this run's first: it ended {t_end - t_start:.1f} s after start (set-up "
-          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s); {compile_cache.describe()}; "
+          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s; {compile_cache.compile_seconds():.1f} s of "
+          f"it XLA compiling or loading programs); {compile_cache.describe()}; "
           f"host allocator {allocator.in_use()}"
           + ("" if huge_pages is None else f", transparent huge pages {huge_pages}"))
 

@@ -29,6 +29,8 @@ def test_a_run_logs_every_spec_scalar_to_tensorboard_and_jsonl_once_per_step(tmp
   assert rows[0]["host/page_faults"] > rows[1]["host/page_faults"] >= 0
   first = [line for line in capsys.readouterr().out.splitlines() if "is this run's first" in line]
   assert len(first) == 1 and first[0].startswith("step 1 is this run's first: it ended ")
+  compiling = float(first[0].split("; ")[1].split(" s of it XLA compiling")[0])
+  assert rows[0]["time/compile"] - 0.05 <= compiling <= rows[0]["time/to_first_step"]
   tb = read_tensorboard_scalars(tmp_path / "a" / "tb")
   missing = [name for name in SPEC_SCALARS if name not in tb]
   assert not missing, missing
