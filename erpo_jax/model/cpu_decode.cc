@@ -452,53 +452,43 @@ struct TrainAttention {
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// s[i][j] = x_i . cols[:, j] for the kTile rows x_i (Dh floats each), j < T (T a multiple of kLanes), cols
-// [Dh, ld]; two vectors of slots at a time.
-template <int C>
-inline void ScoreBlocks(const float* const* x, int64_t Dh, const float* cols, int64_t ld, int64_t j0, float* s,
-                        int64_t lds) {
-  Vec acc[kTile][C];
+// c[i][0, nb kLanes) = sum_{k < K} a[i][k] b[k ldb + (0, nb kLanes)] for the kTile rows a[i]: the attentions'
+// one micro-kernel, nb <= N vectors of columns held in registers for each row.
+template <int N>
+inline void TileProduct(const float* const* a, int64_t K, const float* b, int64_t ldb, int nb, float* c,
+                        int64_t ldc) {
+  Vec acc[kTile][N];
   for (int i = 0; i < kTile; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = Zero();
-  for (int64_t d = 0; d < Dh; ++d) {
-    Vec k[C];
-    for (int c = 0; c < C; ++c) k[c] = Load(cols + d * ld + j0 + c * kLanes);
+    for (int v = 0; v < N; ++v) acc[i][v] = Zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec r[N];
+    for (int v = 0; v < nb; ++v) r[v] = Load(b + k * ldb + v * kLanes);
     for (int i = 0; i < kTile; ++i) {
-      const Vec q = Splat(x[i][d]);
-      for (int c = 0; c < C; ++c) acc[i][c] = Fma(q, k[c], acc[i][c]);
+      const Vec x = Splat(a[i][k]);
+      for (int v = 0; v < nb; ++v) acc[i][v] = Fma(x, r[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kTile; ++i)
-    for (int c = 0; c < C; ++c) Store(s + i * lds + j0 + c * kLanes, acc[i][c]);
+    for (int v = 0; v < nb; ++v) Store(c + i * ldc + v * kLanes, acc[i][v]);
 }
 
+// s[i][j] = x_i . cols[:, j] for the kTile rows x_i (Dh floats each), j < T (T a multiple of kLanes), cols
+// [Dh, ld]; two vectors of slots at a time.
 inline void TileScores(const float* const* x, int64_t Dh, const float* cols, int64_t ld, int64_t T, float* s,
                        int64_t lds) {
   int64_t j0 = 0;
-  for (; j0 + 2 * kLanes <= T; j0 += 2 * kLanes) ScoreBlocks<2>(x, Dh, cols, ld, j0, s, lds);
-  if (j0 < T) ScoreBlocks<1>(x, Dh, cols, ld, j0, s, lds);
+  for (; j0 + 2 * kLanes <= T; j0 += 2 * kLanes) TileProduct<2>(x, Dh, cols + j0, ld, 2, s + j0, lds);
+  if (j0 < T) TileProduct<1>(x, Dh, cols + j0, ld, 1, s + j0, lds);
 }
 
 // y[i][0, Dp) = sum_{j < T} w[i][j] rows[j][0, Dp) for i < kTile; Dp a multiple of kLanes.
 inline void TileWeightedRows(const float* w, int64_t ldw, const float* rows, int64_t Dp, int64_t T, float* y,
                              int64_t ldy) {
   constexpr int V = 4;
-  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes) {
-    const int nv = static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes));
-    Vec acc[kTile][V];
-    for (int i = 0; i < kTile; ++i)
-      for (int v = 0; v < V; ++v) acc[i][v] = Zero();
-    for (int64_t j = 0; j < T; ++j) {
-      Vec r[V];
-      for (int v = 0; v < nv; ++v) r[v] = Load(rows + j * Dp + d0 + v * kLanes);
-      for (int i = 0; i < kTile; ++i) {
-        const Vec a = Splat(w[i * ldw + j]);
-        for (int v = 0; v < nv; ++v) acc[i][v] = Fma(a, r[v], acc[i][v]);
-      }
-    }
-    for (int i = 0; i < kTile; ++i)
-      for (int v = 0; v < nv; ++v) Store(y + i * ldy + d0 + v * kLanes, acc[i][v]);
-  }
+  const float* wi[kTile];
+  for (int i = 0; i < kTile; ++i) wi[i] = w + i * ldw;
+  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes)
+    TileProduct<V>(wi, T, rows + d0, Dp, static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes)), y + d0, ldy);
 }
 
 // rows[j][0, Dp) += sum_i w[i][j] x_i[0, Dp) for j < T, the kTile rows x_i held in registers a block at a time.
