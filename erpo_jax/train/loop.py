@@ -62,26 +62,26 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   Holds the run folder's lock throughout; a resume whose config changes what
   the run computes is refused unless `allow_config_change` (see run_folder).
   """
-  t_start = time.perf_counter()
+  t_start, compile_start = time.perf_counter(), compile_cache.compile_seconds()
   cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
-    return _train(cfg, run_dir, allow_config_change, hooks, t_start)
+    return _train(cfg, run_dir, allow_config_change, hooks, t_start, compile_start)
 
 
-def _first_step_line(step: int, t_start: float, t_step: float, t_end: float) -> str:
+def _first_step_line(step: int, t_start: float, t_step: float, t_end: float, compiling: float) -> str:
   """The log line of this invocation's first step: how long until it ended, where the time went, what the
   compilation cache held (a relaunch with a warm cache loads its programs instead of compiling them)."""
   huge_pages = allocator.huge_pages()
   return (f"step {step} is this run's first: it ended {t_end - t_start:.1f} s after start (set-up "
-          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s; {compile_cache.compile_seconds():.1f} s of "
+          f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s; {compiling:.1f} s of "
           f"it XLA compiling or loading programs); {compile_cache.describe()}; "
           f"host allocator {allocator.in_use()}"
           + ("" if huge_pages is None else f", transparent huge pages {huge_pages}"))
 
 
 def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks: Hooks,
-           t_start: float) -> dict[str, float]:
+           t_start: float, compile_start: float) -> dict[str, float]:
 
   # --- set-up: mesh, models, optimizer, data, sampler, verifier
   mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -211,7 +211,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       faults4, system4 = allocator.process_usage()
       compile4 = compile_cache.compile_seconds()
       if step == start + 1:
-        multihost.log(_first_step_line(step, t_start, t0, t4))
+        multihost.log(_first_step_line(step, t_start, t0, t4, compile4 - compile_start))
       if not finite:
         if not cfg.train.skip_nonfinite:
           ckpt.wait()  # the last finite checkpoint is complete on disk before the run stops
