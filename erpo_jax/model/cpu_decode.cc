@@ -452,64 +452,76 @@ struct TrainAttention {
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// c[i][0, nb kLanes) = sum_{k < K} a[i][k] b[k ldb + (0, nb kLanes)] for the kTile rows a[i]: the attentions'
-// one micro-kernel, nb <= N vectors of columns held in registers for each row.
+// c[i][0, N kLanes) = sum_{k < K} a[i][k] b[k ldb + (0, N kLanes)] for the kTile rows a[i]: the attentions'
+// one micro-kernel, N vectors of columns held in registers for each row. N is a compile-time count so that the
+// kTile x N accumulators stay in registers (with a count known only at run time they lived on the stack).
 template <int N>
-inline void TileProduct(const float* const* a, int64_t K, const float* b, int64_t ldb, int nb, float* c,
-                        int64_t ldc) {
+inline void TileProduct(const float* const* a, int64_t K, const float* b, int64_t ldb, float* c, int64_t ldc) {
   Vec acc[kTile][N];
   for (int i = 0; i < kTile; ++i)
     for (int v = 0; v < N; ++v) acc[i][v] = Zero();
   for (int64_t k = 0; k < K; ++k) {
     Vec r[N];
-    for (int v = 0; v < nb; ++v) r[v] = Load(b + k * ldb + v * kLanes);
+    for (int v = 0; v < N; ++v) r[v] = Load(b + k * ldb + v * kLanes);
     for (int i = 0; i < kTile; ++i) {
       const Vec x = Splat(a[i][k]);
-      for (int v = 0; v < nb; ++v) acc[i][v] = Fma(x, r[v], acc[i][v]);
+      for (int v = 0; v < N; ++v) acc[i][v] = Fma(x, r[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kTile; ++i)
-    for (int v = 0; v < nb; ++v) Store(c + i * ldc + v * kLanes, acc[i][v]);
+    for (int v = 0; v < N; ++v) Store(c + i * ldc + v * kLanes, acc[i][v]);
 }
+
+// Vectors of columns a tile holds per row: kTile x kTileVecs accumulators and kTileVecs loads fit the register
+// file (32 vector registers with AVX-512, 16 with AVX2).
+constexpr int kTileVecs = kLanes == 16 ? 4 : 2;
 
 // s[i][j] = x_i . cols[:, j] for the kTile rows x_i (Dh floats each), j < T (T a multiple of kLanes), cols
 // [Dh, ld]; two vectors of slots at a time.
 inline void TileScores(const float* const* x, int64_t Dh, const float* cols, int64_t ld, int64_t T, float* s,
                        int64_t lds) {
   int64_t j0 = 0;
-  for (; j0 + 2 * kLanes <= T; j0 += 2 * kLanes) TileProduct<2>(x, Dh, cols + j0, ld, 2, s + j0, lds);
-  if (j0 < T) TileProduct<1>(x, Dh, cols + j0, ld, 1, s + j0, lds);
+  for (; j0 + 2 * kLanes <= T; j0 += 2 * kLanes) TileProduct<2>(x, Dh, cols + j0, ld, s + j0, lds);
+  if (j0 < T) TileProduct<1>(x, Dh, cols + j0, ld, s + j0, lds);
 }
 
 // y[i][0, Dp) = sum_{j < T} w[i][j] rows[j][0, Dp) for i < kTile; Dp a multiple of kLanes.
 inline void TileWeightedRows(const float* w, int64_t ldw, const float* rows, int64_t Dp, int64_t T, float* y,
                              int64_t ldy) {
-  constexpr int V = 4;
   const float* wi[kTile];
   for (int i = 0; i < kTile; ++i) wi[i] = w + i * ldw;
-  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes)
-    TileProduct<V>(wi, T, rows + d0, Dp, static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes)), y + d0, ldy);
+  int64_t d0 = 0;
+  for (; d0 + kTileVecs * kLanes <= Dp; d0 += kTileVecs * kLanes)
+    TileProduct<kTileVecs>(wi, T, rows + d0, Dp, y + d0, ldy);
+  for (; d0 < Dp; d0 += kLanes) TileProduct<1>(wi, T, rows + d0, Dp, y + d0, ldy);
 }
 
-// rows[j][0, Dp) += sum_i w[i][j] x_i[0, Dp) for j < T, the kTile rows x_i held in registers a block at a time.
-inline void AddOuter(const float* w, int64_t ldw, const float* const* x, int64_t Dp, int64_t T, float* rows) {
-  constexpr int V = 4;
-  for (int64_t d0 = 0; d0 < Dp; d0 += V * kLanes) {
-    const int nv = static_cast<int>(std::min<int64_t>(V, (Dp - d0) / kLanes));
-    Vec xs[kTile][V];
-    for (int i = 0; i < kTile; ++i)
-      for (int v = 0; v < nv; ++v) xs[i][v] = Load(x[i] + d0 + v * kLanes);
-    for (int64_t j = 0; j < T; ++j) {
-      float* row = rows + j * Dp + d0;
-      Vec acc[V];
-      for (int v = 0; v < nv; ++v) acc[v] = Load(row + v * kLanes);
-      for (int i = 0; i < kTile; ++i) {
-        const Vec a = Splat(w[i * ldw + j]);
-        for (int v = 0; v < nv; ++v) acc[v] = Fma(a, xs[i][v], acc[v]);
-      }
-      for (int v = 0; v < nv; ++v) Store(row + v * kLanes, acc[v]);
+// rows[j][d0, d0 + V kLanes) += sum_i w[i][j] x_i[d0, d0 + V kLanes) for j < T, the kTile rows' vectors held in
+// registers.
+template <int V>
+inline void AddOuterBlock(const float* w, int64_t ldw, const float* const* x, int64_t d0, int64_t Dp, int64_t T,
+                          float* rows) {
+  Vec xs[kTile][V];
+  for (int i = 0; i < kTile; ++i)
+    for (int v = 0; v < V; ++v) xs[i][v] = Load(x[i] + d0 + v * kLanes);
+  for (int64_t j = 0; j < T; ++j) {
+    float* row = rows + j * Dp + d0;
+    Vec acc[V];
+    for (int v = 0; v < V; ++v) acc[v] = Load(row + v * kLanes);
+    for (int i = 0; i < kTile; ++i) {
+      const Vec a = Splat(w[i * ldw + j]);
+      for (int v = 0; v < V; ++v) acc[v] = Fma(a, xs[i][v], acc[v]);
     }
+    for (int v = 0; v < V; ++v) Store(row + v * kLanes, acc[v]);
   }
+}
+
+// rows[j][0, Dp) += sum_i w[i][j] x_i[0, Dp) for j < T; Dp a multiple of kLanes.
+inline void AddOuter(const float* w, int64_t ldw, const float* const* x, int64_t Dp, int64_t T, float* rows) {
+  int64_t d0 = 0;
+  for (; d0 + kTileVecs * kLanes <= Dp; d0 += kTileVecs * kLanes)
+    AddOuterBlock<kTileVecs>(w, ldw, x, d0, Dp, T, rows);
+  for (; d0 < Dp; d0 += kLanes) AddOuterBlock<1>(w, ldw, x, d0, Dp, T, rows);
 }
 
 // Pointers to the tile's rows of x (row r0 + i at x + (r0 + i) * stride, Dh floats): in place when Dh fills
