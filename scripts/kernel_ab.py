@@ -29,15 +29,16 @@ from erpo_jax.model import cpu_kernel
 OTHER_TARGETS = ("erpo_group_attention_fwd_other", "erpo_group_attention_bwd_other")
 
 
-def register_other(checkout: str) -> None:
-  """Builds the other checkout's kernel library and registers its update attention as OTHER_TARGETS."""
+def register_other(checkout: str, build_dir: str | None = None) -> None:
+  """Builds the other checkout's kernel library (into build_dir, else a new temporary folder) and registers its
+  update attention as OTHER_TARGETS."""
   source = os.path.join(checkout, "erpo_jax", "model", "cpu_decode.cc")
   if not os.path.isfile(source):
     sys.exit(f"kernel_ab: --other {checkout}: no erpo_jax/model/cpu_decode.cc there")
   ours = cpu_kernel.SOURCE
   cpu_kernel.SOURCE = source
   try:
-    path = cpu_kernel.build(cpu_kernel.compiler(), tempfile.mkdtemp(prefix="erpo-kernel-ab-"))
+    path = cpu_kernel.build(cpu_kernel.compiler(), build_dir or tempfile.mkdtemp(prefix="erpo-kernel-ab-"))
   finally:
     cpu_kernel.SOURCE = ours
   lib = ctypes.cdll.LoadLibrary(path)
