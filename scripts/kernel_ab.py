@@ -18,8 +18,6 @@ import statistics
 import sys
 import tempfile
 
-import jax
-
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.bench import step as bench_step
 from erpo_jax.bench.run import STEP_VARIANTS, step_variant
@@ -35,15 +33,9 @@ def register_other(checkout: str, build_dir: str | None = None) -> None:
   source = os.path.join(checkout, "erpo_jax", "model", "cpu_decode.cc")
   if not os.path.isfile(source):
     sys.exit(f"kernel_ab: --other {checkout}: no erpo_jax/model/cpu_decode.cc there")
-  ours = cpu_kernel.SOURCE
-  cpu_kernel.SOURCE = source
-  try:
-    path = cpu_kernel.build(cpu_kernel.compiler(), build_dir or tempfile.mkdtemp(prefix="erpo-kernel-ab-"))
-  finally:
-    cpu_kernel.SOURCE = ours
-  lib = ctypes.cdll.LoadLibrary(path)
-  for target, fn in zip(OTHER_TARGETS, (lib.ErpoGroupAttentionForward, lib.ErpoGroupAttentionBackward)):
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+  path = cpu_kernel.build(cpu_kernel.compiler(), build_dir or tempfile.mkdtemp(prefix="erpo-kernel-ab-"),
+                          source=source)
+  cpu_kernel.register_train_attention(ctypes.cdll.LoadLibrary(path), OTHER_TARGETS)
 
 
 def main(argv=None) -> None:
@@ -61,12 +53,8 @@ def main(argv=None) -> None:
   inp = bench_step.prepare_inputs(cfg, model, prompts, vocab=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                                   with_reference=bench_step.train_step.takes_reference(cfg))
   this = bench_step.build_variant(inp, cfg)
-  ours = cpu_kernel.TRAIN_ATTENTION_TARGETS
-  cpu_kernel.TRAIN_ATTENTION_TARGETS = OTHER_TARGETS  # read when the update is traced
-  try:
+  with cpu_kernel.train_attention_targets(OTHER_TARGETS):
     other = bench_step.build_variant(inp, cfg)
-  finally:
-    cpu_kernel.TRAIN_ATTENTION_TARGETS = ours
   if OTHER_TARGETS[0] not in other.compiled.as_text():
     sys.exit("kernel_ab: the update does not call the attention kernel here (one CPU device, float32)")
   t_this, t_other = bench_step.time_interleaved(inp, [this, other], iters=args.iters, warmup=args.warmup)

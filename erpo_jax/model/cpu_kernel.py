@@ -95,20 +95,21 @@ def _cpu_id() -> str:
     return platform.processor() + platform.machine()
 
 
-def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = ()) -> str:
-  """Builds the kernel into out_dir (once per key) and returns the library's path; raises RuntimeError with
-  the compiler's last lines when it does not build."""
-  with open(SOURCE, "rb") as f:
-    source = f.read()
+def build(cxx: str, out_dir: str, extra_flags: tuple[str, ...] = (), source: str = SOURCE) -> str:
+  """Builds the kernel (`source`: this package's, or another checkout's to compare with) into out_dir (once per
+  key) and returns the library's path; raises RuntimeError with the compiler's last lines when it does not
+  build."""
+  with open(source, "rb") as f:
+    text = f.read()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-  key = hashlib.sha256(b"\0".join([source, repr((version, jaxlib.__version__, FLAGS, extra_flags)).encode(),
+  key = hashlib.sha256(b"\0".join([text, repr((version, jaxlib.__version__, FLAGS, extra_flags)).encode(),
                                   _cpu_id().encode()])).hexdigest()[:20]
   path = os.path.join(out_dir, f"decode-{key}.so")
   if os.path.exists(path):
     return path
   os.makedirs(out_dir, exist_ok=True)
   tmp = f"{path}.{os.getpid()}.tmp"
-  cmd = [cxx, *FLAGS, *extra_flags, "-I", jax.ffi.include_dir(), "-o", tmp, SOURCE]
+  cmd = [cxx, *FLAGS, *extra_flags, "-I", jax.ffi.include_dir(), "-o", tmp, source]
   done = subprocess.run(cmd, capture_output=True, text=True)
   if done.returncode != 0:
     if os.path.exists(tmp):
@@ -127,6 +128,24 @@ def _writable_dir(path: str) -> str | None:
   except OSError:
     return None
   return path if os.access(path, os.W_OK) else None
+
+
+def register_train_attention(lib: ctypes.CDLL, targets: tuple[str, str]) -> None:
+  """Registers a built library's update attention, forward and backward, under the target names `targets`."""
+  for target, fn in zip(targets, (lib.ErpoGroupAttentionForward, lib.ErpoGroupAttentionBackward)):
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+
+
+@contextlib.contextmanager
+def train_attention_targets(targets: tuple[str, str]):
+  """The update attention traced inside calls `targets` (registered with `register_train_attention`): two
+  builds of the library compared in one process."""
+  global TRAIN_ATTENTION_TARGETS
+  saved, TRAIN_ATTENTION_TARGETS = TRAIN_ATTENTION_TARGETS, tuple(targets)
+  try:
+    yield
+  finally:
+    TRAIN_ATTENTION_TARGETS = saved
 
 
 def _load() -> tuple[ctypes.CDLL, int] | None:
@@ -151,8 +170,7 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ErpoPackPanels), platform="cpu")
       jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ErpoGroupDecodeAttention), platform="cpu")
-      for target, fn in zip(TRAIN_ATTENTION_TARGETS, (lib.ErpoGroupAttentionForward, lib.ErpoGroupAttentionBackward)):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+      register_train_attention(lib, TRAIN_ATTENTION_TARGETS)
       _lib = (lib, int(lib.erpo_panel_rows()))
     except (RuntimeError, OSError) as e:
       _why_not = f"it did not build ({e})"

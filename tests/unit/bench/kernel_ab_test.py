@@ -45,13 +45,9 @@ def test_the_other_build_answers_under_its_own_names_with_the_same_values(tmp_pa
       return fn.lower(*args).as_text(), fn(*args)
 
     text, ours = value_and_grads()
-    names = cpu_kernel.TRAIN_ATTENTION_TARGETS
-    cpu_kernel.TRAIN_ATTENTION_TARGETS = ab.OTHER_TARGETS
-    try:
+    with cpu_kernel.train_attention_targets(ab.OTHER_TARGETS):
       other_text, other = value_and_grads()
-    finally:
-      cpu_kernel.TRAIN_ATTENTION_TARGETS = names
   assert ab.OTHER_TARGETS[0] in other_text and ab.OTHER_TARGETS[1] in other_text
-  assert ab.OTHER_TARGETS[0] not in text
+  assert ab.OTHER_TARGETS[0] not in text and cpu_kernel.TRAIN_ATTENTION_TARGETS[0] in text
   for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(other)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

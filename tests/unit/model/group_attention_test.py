@@ -82,8 +82,7 @@ def test_the_avx2_build_of_the_kernel_attention_equals_xla_ops_too(kernel, tmp_p
     pytest.skip("this CPU has no AVX2 with FMA")
   lib = ctypes.cdll.LoadLibrary(cpu_kernel.build(cpu_kernel.compiler(), str(tmp_path), ("-mno-avx512f",)))
   fwd, bwd = "erpo_group_attention_fwd_avx2_test", "erpo_group_attention_bwd_avx2_test"
-  jax.ffi.register_ffi_target(fwd, jax.ffi.pycapsule(lib.ErpoGroupAttentionForward), platform="cpu")
-  jax.ffi.register_ffi_target(bwd, jax.ffi.pycapsule(lib.ErpoGroupAttentionBackward), platform="cpu")
+  cpu_kernel.register_train_attention(lib, (fwd, bwd))
   for case in CASES.values():
     args, len_B, ct = _case(4, *case)
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
