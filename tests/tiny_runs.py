@@ -38,10 +38,18 @@ def child_env(**extra: str) -> dict[str, str]:
   """The environment of a training subprocess: ours, the shared compilation cache, and `extra`."""
   env = dict(os.environ)
   env.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
-  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   env.update(extra)
+  return env
+
+
+def cpu_devices(n: int, env: dict | None = None) -> dict[str, str]:
+  """`env` (default: ours) for a fresh process with `n` CPU devices, keeping the suite's XLA_FLAGS (conftest.py)."""
+  env = dict(os.environ if env is None else env)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+  env["JAX_PLATFORMS"] = "cpu"
   return env
 
 

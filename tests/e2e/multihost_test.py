@@ -44,9 +44,8 @@ _CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(_CACHE), "JAX_PERSISTENT_CACHE_MI
 def _child_env() -> dict[str, str]:
   """The one-process run's environment: 4 CPU devices, the shared compilation cache, no cluster variables."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
-  env.update(_CACHE_ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-  return env
+  env.update(_CACHE_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  return tiny_runs.cpu_devices(4, env)
 
 
 def _train_one_and_two_processes(one, two, extra: tuple[str, ...] = ()) -> list[tuple[int, str]]:

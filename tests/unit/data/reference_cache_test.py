@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny_runs
 from erpo_jax.config_io import load_config
 from erpo_jax import metrics
 from erpo_jax.data import reference_cache as static_weights
@@ -219,7 +220,7 @@ def test_reference_pass_on_a_data_fsdp_tensor_mesh_equals_one_device_in_both_lay
   """8 fake CPU devices as (data 2, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start):
   37 prompts in packed rows, and 37 sharing a 20-token prefix in one prefix stream per batch shard, split over
   4 batch shards give the one-device log-probs."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = tiny_runs.cpu_devices(8)
   out = subprocess.run([sys.executable, "-c", SHARDED_PASS], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
   assert out.returncode == 0, out.stderr[-3000:]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_builds
 from erpo_jax.model import cpu_kernel, decode, llama
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.model.kv_cache import GroupKVCache, KVCache
@@ -66,15 +67,7 @@ def test_panels_hold_each_block_of_rows_k_major_with_zero_rows_after_the_last(ke
 
 def test_the_avx2_build_equals_float64_products_too(kernel_rows, tmp_path):
   """Machines without AVX-512 build the AVX2 panels (6 rows of 8-lane vectors); this CPU runs them too."""
-  flags = open("/proc/cpuinfo", encoding="utf-8").read()
-  if " avx2" not in flags or " fma" not in flags:
-    pytest.skip("this CPU has no AVX2 with FMA")
-  if " avx512f" not in flags:
-    pytest.skip("this CPU has no AVX-512: its native build, which the other tests run, is the AVX2 build")
-  path = cpu_kernel.build(cpu_kernel.compiler(), str(tmp_path), ("-mno-avx512f",))
-  import ctypes  # only here: loads the second build by hand
-
-  lib = ctypes.cdll.LoadLibrary(path)
+  lib = kernel_builds.avx2_build(tmp_path)
   assert lib.erpo_panel_rows() == 6
   jax.ffi.register_ffi_target("erpo_decode_matmul_avx2_test", jax.ffi.pycapsule(lib.ErpoDecodeMatmul),
                               platform="cpu")

@@ -1,12 +1,11 @@
 """The update's group attention: the CPU kernel's output and every gradient equal XLA's ops on the same inputs."""
 
-import ctypes
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_builds
 from erpo_jax.model import cpu_kernel
 from erpo_jax.model.group_attention import group_attention, xla_group_attention
 
@@ -77,12 +76,7 @@ def test_kernel_attention_rejects_rows_that_are_not_whole_groups(kernel):
 
 def test_the_avx2_build_of_the_kernel_attention_equals_xla_ops_too(kernel, tmp_path):
   """Machines without AVX-512 build 8-lane vectors; this CPU runs that build too."""
-  flags = open("/proc/cpuinfo", encoding="utf-8").read()
-  if " avx2" not in flags or " fma" not in flags:
-    pytest.skip("this CPU has no AVX2 with FMA")
-  if " avx512f" not in flags:
-    pytest.skip("this CPU has no AVX-512: its native build, which the other tests run, is the AVX2 build")
-  lib = ctypes.cdll.LoadLibrary(cpu_kernel.build(cpu_kernel.compiler(), str(tmp_path), ("-mno-avx512f",)))
+  lib = kernel_builds.avx2_build(tmp_path)
   fwd, bwd = "erpo_group_attention_fwd_avx2_test", "erpo_group_attention_bwd_avx2_test"
   cpu_kernel.register_train_attention(lib, (fwd, bwd))
   for case in CASES.values():

@@ -240,7 +240,7 @@ print(net.wq[...].sharding.spec, net.lm_head[...].sharding.spec, float(np.abs(lo
 
 def test_sharded_load_places_each_param_on_its_mesh_sharding():
   """4 fake CPU devices as (data 1, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = tiny_runs.cpu_devices(4)
   code = SHARDED.format(folder=os.path.join(PARITY, "tiny_qwen2"))
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
   line = out.stdout.strip().splitlines()[-1]

@@ -278,7 +278,7 @@ def test_top_k_one_sampling_equals_greedy(model):
 
 _SHARDED = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import types, jax, numpy as np
     from erpo_jax.parallel import mesh as mesh_lib
     from erpo_jax.config_run import MeshSection

@@ -1,6 +1,10 @@
 """The cached reference is a different XLA program from the step's forward: at step 0 the two differ by
 float32 rounding. A batch without reward signal must then leave the policy where it is, as it does with
-the reference forward in the step, instead of Adam turning the gradient of that rounding into a full step."""
+the reference forward in the step, instead of Adam turning the gradient of that rounding into a full step.
+
+How far the two programs' sums round apart depends on how XLA compiled them (at the suite's backend
+optimization level they may agree to the bit), so `no_signal_step` moves every cached log-prob one float32
+ulp: a difference of the size the two programs give, on every compiler."""
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +20,14 @@ from erpo_jax.model import logprobs
 
 def no_signal_step(*overrides):
   """(params before, params after, metrics) of one ERPO step at step 0 on a batch whose every reward is 0,
-  with the reference log-probs of the cache computation."""
+  with the reference log-probs of the cache computation, each one ulp away."""
   cfg = st.tiny_cfg("erpo.reference=cached", "erpo.kl_on=prompt", "erpo.weights=static", "erpo.alpha=0.5",
                     "optim.weight_decay=0", *overrides)
   step, graphdef, params, _, opt = build_at_step_0(cfg)
   model = nnx.merge(graphdef, params)
   batch, _ = cached_batch(model, st.make_batch())
-  batch = batch.replace(rewards=jnp.zeros_like(batch.rewards))
+  ref_logp = np.nextafter(np.asarray(batch.ref_logp), np.float32(-np.inf))  # one ulp of rounding, made sure of
+  batch = batch.replace(rewards=jnp.zeros_like(batch.rewards), ref_logp=jnp.asarray(ref_logp))
   before = jax.tree.map(np.array, params)
   new_params, _, m = step(params, opt, None, batch)
   return before, jax.tree.map(np.array, new_params), m

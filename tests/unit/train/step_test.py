@@ -277,7 +277,9 @@ def _check_sharded_steps(meshes, packed_meshes):
   """The step on each of `meshes` (8 CPU devices; (1, 1, 1) first) equals the one-device step for every setting
   of SHARDED_SETTINGS that lists the mesh, and the packed step on each of `packed_meshes` equals its one-device
   step."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  import tiny_runs  # here: SHARDED_SCRIPT imports this module without tests/ on its path
+
+  env = tiny_runs.cpu_devices(8)
   code = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__))
   res = subprocess.run([sys.executable, "-c", code, json.dumps(meshes), json.dumps(packed_meshes)], env=env,
                        capture_output=True, text=True, timeout=900)
