@@ -31,13 +31,12 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 STEPS = 8  # the length of every reliability run
 BASE = (f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=8")
 RUN_TIMEOUT_S = 400  # one tiny run, cold compilation cache, loaded machine
-_CACHE = pathlib.Path(tempfile.gettempdir()) / f"erpo-jax-test-xla-cache-{os.getuid()}"
 
 
 def child_env(**extra: str) -> dict[str, str]:
-  """The environment of a training subprocess: ours, the shared compilation cache, and `extra`."""
+  """The environment of a training subprocess: ours (with the suite's compilation cache, conftest.py), every
+  program written to the cache, and `extra`."""
   env = dict(os.environ)
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
   env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

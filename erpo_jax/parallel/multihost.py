@@ -272,7 +272,7 @@ def run_local_processes(argv: Sequence[str], num_processes: int, *, cpu_devices:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
   env["JAX_PLATFORMS"] = "cpu"
   if cpu_devices:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cpu_devices}".strip()
   with tempfile.TemporaryDirectory() as tmp:
     logs = [open(os.path.join(tmp, f"process-{i}.log"), "w+") for i in range(num_processes)]
     procs = [subprocess.Popen([*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
