@@ -226,3 +226,12 @@ def test_run_local_processes_stops_the_others_after_a_failure():
   runs = multihost.run_local_processes([sys.executable, "-c", script], 2, timeout_s=30)
   assert [rc for rc, _ in runs] == [-9, 3]
   assert time.monotonic() - start < 20  # not the 30 s timeout
+
+
+def test_run_local_processes_adds_the_device_count_to_the_callers_xla_flags(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  script = "import os; print(os.environ['XLA_FLAGS'], os.environ['JAX_PLATFORMS'])"
+  runs = multihost.run_local_processes([sys.executable, "-c", script], 2, cpu_devices=3, timeout_s=30)
+  assert [rc for rc, _ in runs] == [0, 0]
+  assert [out.strip() for _, out in runs] == [
+      "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=3 cpu"] * 2
