@@ -44,14 +44,6 @@ def child_env(**extra: str) -> dict[str, str]:
   return env
 
 
-def cpu_devices(n: int, env: dict | None = None) -> dict[str, str]:
-  """`env` (default: ours) for a fresh process with `n` CPU devices, keeping the suite's XLA_FLAGS (conftest.py)."""
-  env = dict(os.environ if env is None else env)
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
-
-
 def train_cmd(run_dir, *overrides: str, config: str = TINY, nan_step: int | None = None,
               hold: tuple[int, pathlib.Path] | None = None) -> list[str]:
   """`erpo-jax train` on the tiny config; with nan_step (NaN rewards at that step) or hold = (step, release file:

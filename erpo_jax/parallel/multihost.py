@@ -257,6 +257,13 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def cpu_device_env(env: Mapping[str, str], num_devices: int) -> dict[str, str]:
+  """`env` for a process on `num_devices` CPU devices: JAX_PLATFORMS=cpu, and the device count added to the
+  XLA_FLAGS it has (its other XLA flags kept)."""
+  flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
+  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+
+
 def run_local_processes(argv: Sequence[str], num_processes: int, *, cpu_devices: int | None = None,
                         timeout_s: float = 120.0) -> list[tuple[int, str]]:
   """Runs `argv + [--coordinator 127.0.0.1:<free port>, --num-processes P, --process-id i]` for i < P, on CPU.
@@ -272,7 +279,7 @@ def run_local_processes(argv: Sequence[str], num_processes: int, *, cpu_devices:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
   env["JAX_PLATFORMS"] = "cpu"
   if cpu_devices:
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cpu_devices}".strip()
+    env = cpu_device_env(env, cpu_devices)
   with tempfile.TemporaryDirectory() as tmp:
     logs = [open(os.path.join(tmp, f"process-{i}.log"), "w+") for i in range(num_processes)]
     procs = [subprocess.Popen([*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),

@@ -43,7 +43,7 @@ def _child_env() -> dict[str, str]:
   """The one-process run's environment: 4 CPU devices, the shared compilation cache, no cluster variables."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
   env.update(_CACHE_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-  return tiny_runs.cpu_devices(4, env)
+  return multihost.cpu_device_env(env, 4)
 
 
 def _train_one_and_two_processes(one, two, extra: tuple[str, ...] = ()) -> list[tuple[int, str]]:

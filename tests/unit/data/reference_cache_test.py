@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tiny_runs
 from erpo_jax.config_io import load_config
 from erpo_jax import metrics
 from erpo_jax.data import reference_cache as static_weights
@@ -20,6 +19,7 @@ from erpo_jax.data.pipeline import dataset_prompts
 from erpo_jax.errors import PathError, UserError
 from erpo_jax.model import logprobs
 from erpo_jax.model.io.loading import load_model
+from erpo_jax.parallel import multihost
 
 
 def tiny(tmp_path, *overrides):
@@ -220,7 +220,7 @@ def test_reference_pass_on_a_data_fsdp_tensor_mesh_equals_one_device_in_both_lay
   """8 fake CPU devices as (data 2, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start):
   37 prompts in packed rows, and 37 sharing a 20-token prefix in one prefix stream per batch shard, split over
   4 batch shards give the one-device log-probs."""
-  env = tiny_runs.cpu_devices(8)
+  env = multihost.cpu_device_env(os.environ, 8)
   out = subprocess.run([sys.executable, "-c", SHARDED_PASS], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
   assert out.returncode == 0, out.stderr[-3000:]

@@ -26,6 +26,7 @@ from erpo_jax.model.io import export
 from erpo_jax.model.io import hf
 from erpo_jax.model.io import loading
 from erpo_jax.model.tokenizer import Tokenizer
+from erpo_jax.parallel import multihost
 
 PARITY = str(tiny_runs.REPO / "tests" / "fixtures" / "parity")
 TINY = ["tiny_llama", "tiny_qwen2"]
@@ -240,7 +241,7 @@ print(net.wq[...].sharding.spec, net.lm_head[...].sharding.spec, float(np.abs(lo
 
 def test_sharded_load_places_each_param_on_its_mesh_sharding():
   """4 fake CPU devices as (data 1, fsdp 2, tensor 2), in a fresh process (the device count is fixed at start)."""
-  env = tiny_runs.cpu_devices(4)
+  env = multihost.cpu_device_env(os.environ, 4)
   code = SHARDED.format(folder=os.path.join(PARITY, "tiny_qwen2"))
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
   line = out.stdout.strip().splitlines()[-1]

@@ -14,6 +14,7 @@ from flax import nnx
 
 from erpo_jax.algo import advantages, kl, losses, weights
 from erpo_jax.parallel import mesh as mesh_lib
+from erpo_jax.parallel import multihost
 from erpo_jax.train import optim
 from erpo_jax.train import step as train_step
 from erpo_jax.config_io import load_config
@@ -277,9 +278,7 @@ def _check_sharded_steps(meshes, packed_meshes):
   """The step on each of `meshes` (8 CPU devices; (1, 1, 1) first) equals the one-device step for every setting
   of SHARDED_SETTINGS that lists the mesh, and the packed step on each of `packed_meshes` equals its one-device
   step."""
-  import tiny_runs  # here: SHARDED_SCRIPT imports this module without tests/ on its path
-
-  env = tiny_runs.cpu_devices(8)
+  env = multihost.cpu_device_env(os.environ, 8)
   code = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__))
   res = subprocess.run([sys.executable, "-c", code, json.dumps(meshes), json.dumps(packed_meshes)], env=env,
                        capture_output=True, text=True, timeout=900)
