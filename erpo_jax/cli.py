@@ -176,6 +176,9 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command == "bench" and args.profile is not None:
     from erpo_jax.bench.profile import make_folder
     make_folder(args.profile)  # an unwritable folder fails now, not after the timings
+  if args.command in ("train", "weights"):
+    from erpo_jax.data.sources import train_source
+    train_source(cfg)  # as do data mistakes (a bad row, a missing file): read again later at no cost
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import pathlib
 import re
@@ -298,8 +299,42 @@ def open_source(spec: str, data, *, size: int | None = None, seed: int | None = 
 
 
 def train_source(cfg) -> RecordSource:
-  """The whole training source (all processes), in dataset order: index i is PromptBatch.index i."""
-  return open_source(cfg.data.source, cfg.data)
+  """The whole training source (all processes), in dataset order: index i is PromptBatch.index i.
+
+  Read once per process while the source and its file stay the same: the CLI reads it before JAX is imported
+  (a malformed row fails in a fraction of a second) and the run's later readers get the same RecordSource.
+  """
+  key = _source_key(cfg.data)
+  if key is not None and key in _TRAIN_SOURCE:
+    return _TRAIN_SOURCE[key]
+  source = open_source(cfg.data.source, cfg.data)
+  if key is not None:
+    _TRAIN_SOURCE.clear()  # one source kept: a process trains on one data set at a time
+    _TRAIN_SOURCE[key] = source
+  return source
+
+
+_TRAIN_SOURCE: dict[tuple, RecordSource] = {}
+
+
+def _source_key(data) -> tuple | None:
+  """What a training source's records depend on: the options that read it and, for a file, a digest of its bytes
+  (a file rewritten in place within the clock's tick keeps its size and time). None (read every time) for
+  presets, which read several files."""
+  options = (data.source, data.format, data.prompt_column, data.answer_column, data.on_bad_row,
+             tuple(data.chat_roles))
+  if data.source == BUILTIN_ARITHMETIC:
+    return (*options, data.size, tuple(data.levels), data.builtin_seed)
+  if data.source.startswith("builtin:") or data.source.startswith(PRESET_PREFIX):
+    return None
+  digest = hashlib.blake2b(digest_size=16)
+  try:
+    with open(data.source, "rb") as f:
+      while block := f.read(1 << 20):
+        digest.update(block)
+  except OSError:
+    return None  # open_source names the missing or unreadable file
+  return (*options, digest.hexdigest())
 
 
 def make_eval_source(cfg, set_name: str) -> RecordSource:

@@ -64,6 +64,7 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   """
   t_start, compile_start = time.perf_counter(), compile_cache.compile_seconds()
   cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
+  check_training_data(cfg, load_tokenizer(cfg.model))  # bad rows fail here: before a run folder or model
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
     return _train(cfg, run_dir, allow_config_change, hooks, t_start, compile_start)
@@ -88,7 +89,6 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
   if cfg.data.batch_size * cfg.rollout.group_size % mesh_lib.num_batch_shards(mesh):
     raise ConfigError(f"data.batch_size * rollout.group_size = {cfg.data.batch_size * cfg.rollout.group_size} "
                       f"rows must divide over data*fsdp = {mesh_lib.num_batch_shards(mesh)} devices")
-  check_training_data(cfg, load_tokenizer(cfg.model))  # bad rows fail here, before the model loads
   model, tokenizer = load_model(cfg.model)
   mesh_lib.shard_model(model, mesh)
   graphdef, params = nnx.split(model)

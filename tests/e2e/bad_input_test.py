@@ -157,3 +157,29 @@ def test_config_mistakes_fail_before_jax_is_imported(data_dir, tmp_path):
                         text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   assert not os.path.exists(tmp_path / "r")
+
+
+def test_data_mistakes_fail_before_jax_is_imported_and_make_no_run_folder(data_dir, tmp_path):
+  # A bad row or a missing file is found by reading the data, which needs neither JAX nor a model.
+  code = ("import sys; from erpo_jax import cli; rc = cli.main(sys.argv[1:]); "
+          "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
+  for command, name, needle in [("train", "bad_json.jsonl", "bad_json.jsonl:2"),
+                                ("weights", "missing_column.jsonl", "missing_column.jsonl:2"),
+                                ("train", "absent.jsonl", "not found")]:
+    run = tmp_path / f"{command}-{name}"
+    proc = subprocess.run([sys.executable, "-c", code, command, "--config", tiny_runs.TINY, f"run.dir={run}",
+                           f"data.source={data_dir / name}"], cwd=tiny_runs.REPO, env=tiny_runs.child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not run.exists()
+
+
+def test_an_overlong_prompt_fails_before_a_run_folder_is_made(data_dir, tmp_path):
+  # Prompt lengths need the tokenizer: checked after it loads, still before the run folder and the model.
+  run = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--config", tiny_runs.TINY, f"run.dir={run}",
+                         f"data.source={data_dir / 'overlong.jsonl'}", "data.on_overlong=error"],
+                        cwd=tiny_runs.REPO, env=tiny_runs.child_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "data.max_prompt_tokens=32" in proc.stderr, proc.stderr
+  assert not run.exists()
