@@ -176,9 +176,15 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command == "bench" and args.profile is not None:
     from erpo_jax.bench.profile import make_folder
     make_folder(args.profile)  # an unwritable folder fails now, not after the timings
-  if args.command in ("train", "weights"):
-    from erpo_jax.data.sources import train_source
-    train_source(cfg)  # as do data mistakes (a bad row, a missing file): read again later at no cost
+  if args.command in ("train", "weights", "eval"):
+    # As do data mistakes (a bad row, a missing file), of the eval sets too when a run evaluates: not at its
+    # first eval, hours in. The training source is read again later at no cost.
+    from erpo_jax.data.sources import make_eval_source, train_source
+    if args.command != "eval":
+      train_source(cfg)
+    if args.command == "eval" or (args.command == "train" and cfg.train.eval_every):
+      for name in cfg.eval.sets:
+        make_eval_source(cfg, name)
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)

@@ -26,7 +26,7 @@ from erpo_jax.data.check import resolve_extract, resolve_max_prompt_tokens
 from erpo_jax.data.pipeline import check_training_data, make_train_iterator
 from erpo_jax.data.reference_cache import ensure_reference_cache
 from erpo_jax.errors import ConfigError, NonFiniteError
-from erpo_jax.eval.evaluate import eval_during_training
+from erpo_jax.eval.evaluate import eval_during_training, load_eval_sets
 from erpo_jax.metrics import MetricsWriter, truncate_jsonl
 from erpo_jax.model.io.loading import load_model, load_tokenizer
 from erpo_jax.parallel import mesh as mesh_lib
@@ -64,7 +64,10 @@ def train(cfg: Config, *, allow_config_change: bool = False, hooks: Hooks = Hook
   """
   t_start, compile_start = time.perf_counter(), compile_cache.compile_seconds()
   cfg = resolve_max_prompt_tokens(cfg)  # data.max_prompt_tokens = 0 (auto): what the data need
-  check_training_data(cfg, load_tokenizer(cfg.model))  # bad rows fail here: before a run folder or model
+  tokenizer = load_tokenizer(cfg.model)
+  check_training_data(cfg, tokenizer)  # bad rows fail here: before a run folder or model
+  if cfg.train.eval_every:  # and eval sets without a problem that fits data.max_prompt_tokens
+    load_eval_sets(cfg, tokenizer, cfg.eval.sets, cfg.eval.max_problems)
   run_dir = prepare_run_dir(cfg)
   with RunLock(run_dir, warn=multihost.warn) if multihost.is_main() else contextlib.nullcontext():
     return _train(cfg, run_dir, allow_config_change, hooks, t_start, compile_start)

@@ -183,3 +183,30 @@ def test_an_overlong_prompt_fails_before_a_run_folder_is_made(data_dir, tmp_path
                         cwd=tiny_runs.REPO, env=tiny_runs.child_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2 and "data.max_prompt_tokens=32" in proc.stderr, proc.stderr
   assert not run.exists()
+
+
+def test_a_bad_eval_set_fails_before_a_run_that_evaluates_starts(data_dir, tmp_path):
+  # With train.eval_every the eval sets are read at the start, not at the first eval (hours in), and by `eval`
+  # before it loads a model.
+  code = ("import sys; from erpo_jax import cli; rc = cli.main(sys.argv[1:]); "
+          "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
+  for command, name, needle in [("train", "absent.jsonl", "not found"), ("train", "bad_json.jsonl", "bad_json.jsonl:2"),
+                                ("eval", "not_an_object.jsonl", "not_an_object.jsonl:2")]:
+    run = tmp_path / f"{command}-{name}"
+    proc = subprocess.run([sys.executable, "-c", code, command, "--config", tiny_runs.TINY, f"run.dir={run}",
+                           "train.eval_every=2", f"eval.sets=[{data_dir / name}]"], cwd=tiny_runs.REPO,
+                          env=tiny_runs.child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not run.exists()
+
+
+def test_an_eval_set_without_a_prompt_that_fits_fails_before_a_run_that_evaluates_starts(data_dir, tmp_path):
+  long_only = tmp_path / "long_only.jsonl"
+  long_only.write_bytes(DATA_FILES["overlong.jsonl"].splitlines(keepends=True)[1])
+  run = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--config", tiny_runs.TINY, f"run.dir={run}",
+                         "train.eval_every=2", f"eval.sets=[{long_only}]"], cwd=tiny_runs.REPO,
+                        env=tiny_runs.child_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "has no problem whose prompt fits" in proc.stderr, proc.stderr[-3000:]
+  assert not run.exists()
