@@ -162,6 +162,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def _read_data_first(command: str, cfg) -> None:
+  """Data mistakes (a bad row, a missing file) fail as config mistakes do, before JAX is imported: the training
+  data of a command that trains or reads it, and the eval sets of one that evaluates (a run with
+  train.eval_every: at its start, not at its first eval, hours in). The run reads the training source again
+  at no cost (data.sources.train_source keeps it)."""
+  trains = command in ("train", "weights", "experiment")
+  evaluates = command in ("eval", "experiment") or (command == "train" and cfg.train.eval_every > 0)
+  if not (trains or evaluates):
+    return
+  from erpo_jax.data.sources import make_eval_source, train_source
+  if trains:
+    train_source(cfg)
+  if evaluates:
+    for name in cfg.eval.sets:
+      make_eval_source(cfg, name)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
   # Each command imports what it needs here: `erpo-jax --help` and config errors stay fast, without JAX.
   from erpo_jax.parallel import multihost
@@ -176,15 +193,8 @@ def _dispatch(args: argparse.Namespace) -> int:
   if args.command == "bench" and args.profile is not None:
     from erpo_jax.bench.profile import make_folder
     make_folder(args.profile)  # an unwritable folder fails now, not after the timings
-  if args.command in ("train", "weights", "eval"):
-    # As do data mistakes (a bad row, a missing file), of the eval sets too when a run evaluates: not at its
-    # first eval, hours in. The training source is read again later at no cost.
-    from erpo_jax.data.sources import make_eval_source, train_source
-    if args.command != "eval":
-      train_source(cfg)
-    if args.command == "eval" or (args.command == "train" and cfg.train.eval_every):
-      for name in cfg.eval.sets:
-        make_eval_source(cfg, name)
+  if not getattr(args, "report_only", False):
+    _read_data_first(args.command, cfg)
   if args.command == "data":
     from erpo_jax.data.check import run_check
     run_check(cfg)

@@ -186,16 +186,20 @@ def test_an_overlong_prompt_fails_before_a_run_folder_is_made(data_dir, tmp_path
 
 
 def test_a_bad_eval_set_fails_before_a_run_that_evaluates_starts(data_dir, tmp_path):
-  # With train.eval_every the eval sets are read at the start, not at the first eval (hours in), and by `eval`
-  # before it loads a model.
+  # With train.eval_every the eval sets are read at the start, not at the first eval (hours in); `eval` reads
+  # them before it loads a model, `experiment` before its first run trains.
   code = ("import sys; from erpo_jax import cli; rc = cli.main(sys.argv[1:]); "
           "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
-  for command, name, needle in [("train", "absent.jsonl", "not found"), ("train", "bad_json.jsonl", "bad_json.jsonl:2"),
-                                ("eval", "not_an_object.jsonl", "not_an_object.jsonl:2")]:
+  grid = str(tiny_runs.REPO / "configs" / "ablation_tiny.yaml")
+  for command, config, name, needle in [
+      ("train", tiny_runs.TINY, "absent.jsonl", "not found"),
+      ("train", tiny_runs.TINY, "bad_json.jsonl", "bad_json.jsonl:2"),
+      ("eval", tiny_runs.TINY, "not_an_object.jsonl", "not_an_object.jsonl:2"),
+      ("experiment", grid, "missing_column.jsonl", "missing_column.jsonl:2")]:
     run = tmp_path / f"{command}-{name}"
-    proc = subprocess.run([sys.executable, "-c", code, command, "--config", tiny_runs.TINY, f"run.dir={run}",
-                           "train.eval_every=2", f"eval.sets=[{data_dir / name}]"], cwd=tiny_runs.REPO,
-                          env=tiny_runs.child_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, command, "--config", config, f"run.dir={run}",
+                           f"experiment.dir={run}", "train.eval_every=2", f"eval.sets=[{data_dir / name}]"],
+                          cwd=tiny_runs.REPO, env=tiny_runs.child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not run.exists()
