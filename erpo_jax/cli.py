@@ -171,7 +171,7 @@ def _read_data_first(command: str, cfg) -> None:
   evaluates = command in ("eval", "experiment") or (command == "train" and cfg.train.eval_every > 0)
   if not (trains or evaluates):
     return
-  from erpo_jax.data.sources import make_eval_source, train_source
+  from erpo_jax.data.sources import make_eval_source, train_source  # no JAX: imported only by the commands above
   if trains:
     train_source(cfg)
   if evaluates:

@@ -8,7 +8,8 @@ from erpo_jax.data.prompts import (
     prompt_text,
 )
 from erpo_jax.data.records import BUILTIN_ARITHMETIC, Record
-from erpo_jax.data.sources import RecordSource, load_file, open_source
+from erpo_jax.data.files import RecordSource, load_file
+from erpo_jax.data.sources import open_source
 
 __all__ = [
     "BUILTIN_ARITHMETIC", "PAPER_PROMPT_SUFFIX", "EncodedPrompt", "Record", "RecordSource", "encode_prompt",

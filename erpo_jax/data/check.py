@@ -16,9 +16,9 @@ import math
 import numpy as np
 
 from erpo_jax.data.prompts import prompt_text
+from erpo_jax.data.files import load_file
 from erpo_jax.data.sources import (
   PRESET_PREFIX,
-  load_file,
   make_eval_source,
   open_source,
   train_source,

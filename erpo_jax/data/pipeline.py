@@ -31,10 +31,8 @@ from erpo_jax.data.prompts import (
   unlocated_question_error,
 )
 from erpo_jax.data.records import Record
-from erpo_jax.data.sources import (
-  RecordSource,
-  train_source,
-)
+from erpo_jax.data.files import RecordSource
+from erpo_jax.data.sources import train_source
 from erpo_jax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
