@@ -167,7 +167,8 @@ def _read_data_first(command: str, cfg) -> None:
   data of a command that trains or reads it, and the eval sets of one that evaluates (a run with
   train.eval_every: at its start, not at its first eval, hours in). The run reads the training source again
   at no cost (data.sources.train_source keeps it)."""
-  trains = command in ("train", "weights", "experiment")
+  # Every bench runs on the training prompts; analyze scores training questions.
+  trains = command in ("train", "weights", "experiment", "bench", "analyze")
   evaluates = command in ("eval", "experiment") or (command == "train" and cfg.train.eval_every > 0)
   if not (trains or evaluates):
     return

@@ -165,7 +165,9 @@ def test_data_mistakes_fail_before_jax_is_imported_and_make_no_run_folder(data_d
           "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
   for command, name, needle in [("train", "bad_json.jsonl", "bad_json.jsonl:2"),
                                 ("weights", "missing_column.jsonl", "missing_column.jsonl:2"),
-                                ("train", "absent.jsonl", "not found")]:
+                                ("train", "absent.jsonl", "not found"),
+                                ("bench", "wrong_type.jsonl", "wrong_type.jsonl:2"),
+                                ("analyze", "empty_prompt.jsonl", "empty_prompt.jsonl:2")]:
     run = tmp_path / f"{command}-{name}"
     proc = subprocess.run([sys.executable, "-c", code, command, "--config", tiny_runs.TINY, f"run.dir={run}",
                            f"data.source={data_dir / name}"], cwd=tiny_runs.REPO, env=tiny_runs.child_env(),
