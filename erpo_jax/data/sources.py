@@ -1,5 +1,5 @@
-"""Problem sources by name: a file (data.files), a preset read from data.preset_dir, or builtin:arithmetic; the
-training source, read once per process, and the eval sets."""
+"""Problem sources by name: a JSONL or parquet file (read by `data.files`), a preset read from data.preset_dir, or
+builtin:arithmetic; the training source, read once per process; the eval sets."""
 
 from __future__ import annotations
 
