@@ -128,7 +128,7 @@ def load_file(path: str | pathlib.Path, *, format: str = "auto", prompt_column: 
 
 
 def read_rows(p: pathlib.Path, rows, columns, format: str, prompt_column: str,  # pylint: disable=redefined-builtin
-               answer_column: str, on_bad_row: str, roles=CHAT_ROLES) -> RecordSource:
+              answer_column: str, on_bad_row: str, roles=CHAT_ROLES) -> RecordSource:
   """Records of (where, row, error) triples, malformed rows raised or skipped per on_bad_row."""
   shape = None if format == "auto" else format
   if shape is None and columns is not None:

@@ -93,7 +93,7 @@ def load_preset(spec: str, data) -> RecordSource:
     suffix = found.suffix.lower()
     rows = jsonl_rows(found) if suffix in (".jsonl", ".json") else parquet_rows(found)
     source = read_rows(found, _final_answer_as_answer(rows), None, fmt, preset.prompt_column, preset.answer_column,
-                        data.on_bad_row)
+                       data.on_bad_row)
   else:
     source = load_file(found, on_bad_row=data.on_bad_row)
   records = source.records

@@ -8,7 +8,6 @@ pipeline checks build the per-process iterators directly.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -35,14 +34,12 @@ OVERRIDES = (f"train.steps={STEPS}", "data.size=8", "checkpoint.every=0", "log.t
              "log.samples_every=0", "log.progress=false", "log.data_indices=true", "ppo.entropy_coef=0.01")
 TOL = 1e-5  # |a - b| <= TOL * max(1, |a|): gradients are summed across devices in another order by gloo
 RUN_TIMEOUT_S = 300
-# The suite's compilation cache (conftest.py) is inherited; every program of a run is written to it.
-_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _child_env() -> dict[str, str]:
-  """The one-process run's environment: 4 CPU devices, the shared compilation cache, no cluster variables."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
-  env.update(_CACHE_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+  """The one-process run's environment: a training subprocess's (tiny_runs.child_env: the suite's compilation
+  cache, every program written to it), 4 CPU devices, no cluster variables."""
+  env = {k: v for k, v in tiny_runs.child_env().items() if not k.startswith(("SLURM_", "TPU_", "ERPO_"))}
   return multihost.cpu_device_env(env, 4)
 
 
@@ -57,9 +54,8 @@ def _train_one_and_two_processes(one, two, extra: tuple[str, ...] = ()) -> list[
   t1 = time.monotonic()
   assert single.returncode == 0, (single.stdout + single.stderr)[-4000:]
   with pytest.MonkeyPatch.context() as mp:
-    for k, v in _CACHE_ENV.items():
+    for k, v in tiny_runs.child_env().items():  # run_local_processes sets devices and drops cluster variables
       mp.setenv(k, v)
-    mp.setenv("PYTHONPATH", env["PYTHONPATH"])
     mp.chdir(REPO)
     multi = multihost.run_local_processes([*_train_argv(two), *extra], 2, cpu_devices=2, timeout_s=RUN_TIMEOUT_S)
   t2 = time.monotonic()
