@@ -7,6 +7,9 @@ function of the rewards and the group ids, without gradient:
 - grpo:      A_i = (r_i - mean_g) / (std_g + eps)       (scale: group, batch or none)
 - rloo:      A_i = r_i - mean of the other valid rows of g = G_v / (G_v - 1) * (r_i - mean_g)
 - reinforce: A_i = r_i - mean_g                         (= grpo with scale none)
+
+A group whose valid rewards are all equal gets A = 0 exactly under each of them (its mean is the common
+reward, though a float sum of rewards such as 0.1 does not divide back to it exactly).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class _Groups(NamedTuple):
   valid_N: jax.Array  # bool
   count_B: jax.Array  # G_v per group
   sum_B: jax.Array  # sum of the group's valid rewards
+  uniform_B: jax.Array  # bool: the group's valid rewards are all equal
 
 
 def _groups(rewards_N, group_id_N, num_groups: int, valid_N) -> _Groups:
@@ -33,12 +37,14 @@ def _groups(rewards_N, group_id_N, num_groups: int, valid_N) -> _Groups:
   valid_N = jnp.ones(r_N.shape, bool) if valid_N is None else jnp.asarray(valid_N, bool)
   r_N = jnp.where(valid_N, r_N, 0.0)
   count_B = jax.ops.segment_sum(valid_N.astype(r_N.dtype), group_id_N, num_groups)
-  return _Groups(r_N, valid_N, count_B, jax.ops.segment_sum(r_N, group_id_N, num_groups))
+  high_B = jax.ops.segment_max(jnp.where(valid_N, r_N, -jnp.inf), group_id_N, num_groups)
+  low_B = jax.ops.segment_min(jnp.where(valid_N, r_N, jnp.inf), group_id_N, num_groups)
+  return _Groups(r_N, valid_N, count_B, jax.ops.segment_sum(r_N, group_id_N, num_groups), high_B == low_B)
 
 
 def _keep(a_N: jax.Array, g: _Groups, group_id_N: jax.Array) -> jax.Array:
-  """0 on padding rows and on every row of a group with one valid row."""
-  return jnp.where(g.valid_N & (g.count_B[group_id_N] > 1), a_N, 0.0)
+  """0 on padding rows, on every row of a group with one valid row and of a group whose rewards are equal."""
+  return jnp.where(g.valid_N & (g.count_B[group_id_N] > 1) & ~g.uniform_B[group_id_N], a_N, 0.0)
 
 
 def group_advantages_by_id(rewards_N: jax.Array, group_id_N: jax.Array, num_groups: int, *,

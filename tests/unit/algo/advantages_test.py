@@ -135,3 +135,21 @@ def test_other_estimators_carry_no_gradient_and_refuse_a_scale(estimator):
   np.testing.assert_array_equal(g, 0.0)
   with pytest.raises(ValueError, match="grpo estimator only"):
     adv.group_advantages(jnp.zeros(4), 2, estimator=estimator, scale="none")
+
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", "group"), ("grpo", "batch"), ("grpo", "none"),
+                                             ("rloo", "group"), ("reinforce", "group")])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(estimator, scale):
+  # 8 rewards of 0.1 do not sum to exactly 0.8 in float32: the centred rewards were about 1e-8, and the group
+  # scale divided them by a std of the same size (grpo gave -0.0074 to every row of the group).
+  for r in (0.1, 0.3, 1 / 3, -0.45, 2.2):
+    rewards = jnp.asarray([r] * 8 + [0, 1, 0, 1, 0, 1, 1, 1], jnp.float32)
+    a = np.asarray(adv.group_advantages(rewards, 8, estimator=estimator, scale=scale))
+    assert np.all(a[:8] == 0.0), (r, a[:8])
+    assert np.all(a[8:] != 0.0)
+  ids = jnp.asarray([0, 0, 0, 1, 1, 1])
+  a = adv.advantages_by_id(jnp.asarray([0.1, 0.1, 5.0, 0.2, 0.7, 0.2], jnp.float32), ids, 2,
+                                  estimator=estimator, scale=scale,
+                                  valid_N=jnp.asarray([True, True, False, True, True, True]))
+  assert np.all(np.asarray(a)[:3] == 0.0)  # equal over its valid rows; the padding row's reward counts nowhere
+  assert np.all(np.asarray(a)[3:] != 0.0)
