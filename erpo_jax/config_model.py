@@ -63,6 +63,10 @@ class ModelSection:
   shared_prefix: bool = True
   # With shared_prefix and one minibatch: responses packed end to end, no padding (one stream per batch shard).
   pack_responses: bool = True
+  # With packed responses, a penalty on prompt tokens only (erpo.kl_on prompt or none) and no entropy bonus:
+  # the responses of a group whose rewards are all equal (advantage 0: no loss term reads them) run forward
+  # only, for the metrics, in a stream of their own; the backward covers the other groups. Same update.
+  forward_only_uniform_groups: bool = True
 
   def __post_init__(self):
     check_field(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)

@@ -31,12 +31,14 @@ def update_passes(*, reference_forward: bool, old_pass: bool, epochs: int = 1) -
 
 
 def rl_update_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: float, response_len: float,
-                    passes: int) -> float:
+                    passes: int, forward_only_rows: float = 0.0) -> float:
   """The work an RL update cannot avoid: each prompt once (B x p tokens, the shared prefix) and each
   response's own tokens (N x r, packed), attention over the mean context p + r, times `passes` forwards
-  (update_passes: 3 per epoch for forward and backward, 1 for each reference or behaviour forward)."""
+  (update_passes: 3 per epoch for forward and backward, 1 for each reference or behaviour forward).
+  forward_only_rows of the N (uniform groups, model.forward_only_uniform_groups) skip the policy's backward:
+  2 forwards' work less each."""
   tokens = prompts * prompt_len + rows * response_len
-  return tokens * mc.flops_per_token(prompt_len + response_len) * passes
+  return (tokens * passes - 2 * forward_only_rows * response_len) * mc.flops_per_token(prompt_len + response_len)
 
 
 def rl_rollout_flops(mc: ModelConfig, *, prompts: int, rows: int, prompt_len: float, decode_steps: int) -> float:

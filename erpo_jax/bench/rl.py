@@ -27,6 +27,7 @@ from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
 from erpo_jax.model.io.loading import model_config
+from erpo_jax.train.packing import forward_only_applies
 from erpo_jax.train.step import needs_old_pass
 from erpo_jax.train.loop import train
 
@@ -76,8 +77,11 @@ def work_per_step(cfg, mc, rows: list[dict]) -> dict[str, Any]:
     return {}
   # A cached-reference step that logs the Policy-KL runs one reference forward more.
   extra = lambda r: int(cfg.erpo.reference == "cached" and "kl/policy" in r)
+  # Uniform groups run forward-only where model.forward_only_uniform_groups applies.
+  forward_only = lambda r: B * G * r.get("reward/zero_std_groups", 0.0) if forward_only_applies(cfg) else 0.0
   update = [bench_flops.rl_update_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
-                                        response_len=r["response/len_mean"], passes=passes + extra(r))
+                                        response_len=r["response/len_mean"], passes=passes + extra(r),
+                                        forward_only_rows=forward_only(r))
             for r in lengths]
   rollout = [bench_flops.rl_rollout_flops(mc, prompts=B, rows=B * G, prompt_len=r["prompt/len_mean"],
                                           decode_steps=int(r["response/len_max"])) for r in lengths]

@@ -11,7 +11,6 @@ import numpy as np
 
 from erpo_jax import buckets
 from erpo_jax.errors import UserError
-from erpo_jax.model import logprobs
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import transfer
 from erpo_jax.train import step as train_step
@@ -73,25 +72,6 @@ def assemble_batch(h: HostRollout, rewards_N: np.ndarray, index_B: np.ndarray, g
                static_weight=static_w, truncated=h.truncated.astype(bool), policy_kl=np.bool_(policy_kl))
   return train_step.UpdateBatch(**{
       k: transfer.host_local_to_global(v, mesh_lib.batch_sharding(mesh, v.ndim)) for k, v in local.items()})
-
-
-def response_capacity(cfg, h: HostRollout, mesh) -> int | None:
-  """Static slots of each packed response stream (all processes agree), or None: no packing.
-
-  Packing runs on one minibatch (a stream crosses rows) and on batch shards
-  that hold whole groups: one stream per shard (`logprobs.packed_streams`),
-  each with the slots the fullest stream needs.
-  """
-  if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches * cfg.ppo.microbatches == 1):
-    return None
-  R = cfg.rollout.max_new_tokens
-  len_N = transfer.allgather_rows(np.minimum(h.response_len, R).astype(np.int32)[:, None])[:, 0]
-  G = cfg.rollout.group_size
-  streams = logprobs.packed_streams(len(len_N) // G, mesh_lib.num_batch_shards(mesh))
-  if streams == 0:
-    return None
-  per_stream = len_N.reshape(streams, -1).sum(axis=1)
-  return buckets.packed_capacity(int(per_stream.max()), (len(len_N) // streams) * R)
 
 
 def rollout_metrics(h: HostRollout, rewards_N: np.ndarray, correct_N: np.ndarray, seconds: float,

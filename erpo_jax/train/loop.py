@@ -37,7 +37,8 @@ from erpo_jax.rollout.sampler import Sampler, response_texts
 from erpo_jax.train import checkpoint_io as cio
 from erpo_jax.train import dynamic_sampling, optim
 from erpo_jax.train import step as train_step
-from erpo_jax.train.batch import assemble_batch, response_capacity, rollout_metrics, to_host
+from erpo_jax.train.batch import assemble_batch, rollout_metrics, to_host
+from erpo_jax.train.packing import response_capacity
 from erpo_jax.train.checkpoint import Checkpointer, model_fingerprint
 from erpo_jax.train.preemption import Preemption
 from erpo_jax.train.run_folder import RunLock, check_resume_config, prepare_run_dir, write_config
@@ -208,7 +209,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update, prompt_bucket,
-                                               response_capacity(cfg, host, mesh))
+                                               response_capacity(cfg, host, mesh, rewards_N))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       faults4, system4 = allocator.process_usage()

@@ -33,6 +33,7 @@ from erpo_jax.config import Config, PpoSection
 from erpo_jax.model import logprobs
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.train import optim
+from erpo_jax.train.packing import SplitCapacity, forward_only_applies
 
 
 @flax.struct.dataclass
@@ -77,9 +78,9 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   on the batch's prompt lengths (the sampler's prompt bucket); the shared-prefix
   forward runs prompt rows of that length. response_capacity: static bound on
   the response tokens of each packed stream (`logprobs.packed_streams`: one per
-  batch shard; `batch.response_capacity` computes it); when given (and below
-  (N / streams) * R) the forward packs them end to end. Both positional: jit
-  takes no keywords here.
+  batch shard; `packing.response_capacity` computes it; a SplitCapacity runs uniform groups
+  forward-only); when given (and below (N / streams) * R) the forward packs them end to end. Both
+  positional: jit takes no keywords here.
 
   ref_shardings: the reference's shardings when the step takes reference params. With
   erpo.reference=forward the loss uses the reference forward; with erpo.reference=cached the
@@ -98,15 +99,15 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
   prompt_grads = losses.penalises_prompt(e.kl_on)
 
   def logp_of(params, tokens, prompt_mask, response_mask, with_entropy, prompt_bucket, capacity,
-              prompt_positions=True):
+              prompt_positions=True, response_len_N=None):
     N, S = tokens.shape
     layout = logprobs.choose_layout(
         N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens or S,
         response_bucket=cfg.rollout.max_new_tokens, capacity=capacity, streams=streams(N),
         shared=cfg.model.shared_prefix)
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
-                              response_len_N=response_mask.sum(axis=1), temperature=temperature,
-                              chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy,
+                              response_len_N=response_mask.sum(axis=1) if response_len_N is None else response_len_N,
+                              temperature=temperature, chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy,
                               prompt_grads=prompt_grads, prompt_positions=prompt_positions)
 
   def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
@@ -115,6 +116,10 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     M, K = p.minibatches, p.microbatches
     # Packing is over the whole batch: minibatches and microbatches run unpacked.
     capacity = response_capacity if M * K == 1 else None
+    split = capacity if isinstance(capacity, SplitCapacity) else None
+    if split and not forward_only_applies(cfg):
+      raise ValueError("SplitCapacity needs packing.forward_only_applies(cfg)")
+    capacity = split.whole if split else capacity
     whole_batch_logp = lambda params, prompt_positions=True: jax.lax.stop_gradient(logp_of(
         params, batch.tokens, batch.prompt_mask, batch.response_mask, False, prompt_bucket, capacity, prompt_positions))
     # Advantages and weights are constants of the whole update batch, computed from every row.
@@ -148,8 +153,12 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       return mb["response_mask"] & ~mb["truncated"][:, None]
 
     def loss_fn(params, mb, denominators):
+      cap, lens = (split.trained, jnp.where(mb["uniform"], 0, mb["response_len"])) if split else (capacity, None)
       logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], mb["response_mask"], True, prompt_bucket,
-                              capacity)
+                              cap, response_len_N=lens)
+      if split:  # uniform groups' responses: forward-only values, no gradient
+        at = mb["uniform"][:, None] & mb["response_mask"]
+        logp, entropy = jnp.where(at, mb["fwd_logp"], logp), jnp.where(at, mb["fwd_entropy"], entropy)
       old = mb["old_logp"] if old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
       if e.weights == "dynamic" and not old_pass:
@@ -175,6 +184,13 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
             "ref_logp": ref_logp, "old_logp": old_logp, "adv": adv_N, "w": w_N}
     if policy_kl_only:
       rows["metric_ref_logp"] = metric_ref_logp
+    if split:
+      # Uniform groups (A = 0) add no gradient: their responses run forward-only, for the metrics.
+      rows["uniform"] = advantages.uniform_group_rows(batch.rewards, G)
+      rows["response_len"] = batch.response_mask.sum(axis=1)
+      rows["fwd_logp"], rows["fwd_entropy"] = jax.lax.stop_gradient(logp_of(
+          params, batch.tokens, batch.prompt_mask, batch.response_mask, True, prompt_bucket, split.forward_only,
+          prompt_positions=False, response_len_N=jnp.where(rows["uniform"], rows["response_len"], 0)))
     mbs = jax.tree.map(lambda x: _split_rows(x, M), rows)
 
     def minibatch_grads(params, mb):

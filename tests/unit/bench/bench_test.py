@@ -1,5 +1,6 @@
 """The bench: FLOP counts by hand, batch layout, step memory free of the vocabulary, and `bench step` output."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,6 +79,13 @@ def test_rl_record_gets_the_floors_of_its_update_and_rollout_at_the_matmul_peak(
                               "rollout.group_size=3"])
   assert bench_rl.work_per_step(cached, SMALL, rows[1:])["update_flops"] == 3 * 31200
   assert bench_rl.work_per_step(cached, SMALL, [{**rows[1], "kl/policy": 0.1}])["update_flops"] == 4 * 31200
+  # One of the two groups uniform: its 3 rows' 9 response tokens run forward only, 2 x 9 x 1200 FLOPs less;
+  # a GRPO step (response penalty) or model.forward_only_uniform_groups=false runs them backward.
+  half = [{**rows[1], "reward/zero_std_groups": 0.5}]
+  assert bench_rl.work_per_step(cached, SMALL, half)["update_flops"] == 3 * 31200 - 2 * 9 * 1200
+  assert bench_rl.work_per_step(cfg, SMALL, half)["update_flops"] == 4 * 31200
+  off = dataclasses.replace(cached, model=dataclasses.replace(cached.model, forward_only_uniform_groups=False))
+  assert bench_rl.work_per_step(off, SMALL, half)["update_flops"] == 3 * 31200
   s = bench_run.summary([{**rec, "step_s": 3.0, "peak_rss_bytes": 1, "peak_children_rss_bytes": 0}])
   assert s["rl_update_over_floor"] == 2.0 and s["rl_rollout_over_floor"] == rec["rollout_over_floor"]
 

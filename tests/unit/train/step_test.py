@@ -222,7 +222,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import step_test as t
     from erpo_jax.model import logprobs
     from erpo_jax.parallel import mesh as mesh_lib
-    from erpo_jax.train import batch as batch_lib
+    from erpo_jax.train import batch as batch_lib, packing
     out = {{}}
     batch = t.make_batch()
     meshes, packed_meshes = ([tuple(m) for m in json.loads(a)] for a in sys.argv[1:3])
@@ -258,7 +258,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
       lens = np.array([40] * 16 + [10] * 16)
       host = batch_lib.HostRollout(tokens=None, prompt_mask=None, response_mask=None, prompt_len=None,
                                    response_len=lens, truncated=None)
-      out[f"packed {{shape}}"]["loop_capacity"] = batch_lib.response_capacity(big, host, mesh)
+      out[f"packed {{shape}}"]["loop_capacity"] = packing.response_capacity(big, host, mesh)
     print(json.dumps(out))
 """)
 
