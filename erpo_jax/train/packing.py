@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from erpo_jax import buckets
@@ -41,10 +43,14 @@ def forward_only_applies(cfg) -> bool:
               and p.entropy_coef == 0)
 
 
-def uniform_rows(rewards_N: np.ndarray, group_size: int) -> np.ndarray:
-  """[N] bool: the rows of groups whose rewards are all equal (the step's own test, on the same float32)."""
-  r_BxG = np.asarray(rewards_N, np.float32).reshape(-1, group_size)
-  return np.repeat(np.all(r_BxG == r_BxG[:, :1], axis=1), group_size)
+def forward_only_rows(rewards_N, len_N, group_size: int, streams: int, capacity: int, xp=np):
+  """[N] bool: the rows whose responses run forward-only: in each stream's row order, the rows of groups whose
+  rewards are all equal as long as their tokens so far fit `capacity`; the uniform rows after them run in the
+  trained stream's spare slots. Exact integer sums, the same in the step (xp=jax.numpy) as on the host."""
+  r_BxG = xp.asarray(rewards_N, xp.float32).reshape(-1, group_size)
+  uniform_N = xp.repeat(xp.all(r_BxG == r_BxG[:, :1], axis=1), group_size)
+  tokens_SxN = xp.where(uniform_N, len_N, 0).reshape(streams, -1)
+  return uniform_N & (xp.cumsum(tokens_SxN, axis=1).reshape(-1) <= capacity)
 
 
 def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None) -> int | SplitCapacity | None:
@@ -53,7 +59,7 @@ def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None) -> int 
   Packing runs on one minibatch (a stream crosses rows) and on batch shards
   that hold whole groups: one stream per shard (`logprobs.packed_streams`),
   each with the slots the fullest stream needs. Given this process's rewards (`h`'s rows), and where
-  `forward_only_applies`, a batch with uniform groups gets a SplitCapacity.
+  `forward_only_applies`, a batch with uniform groups may get a SplitCapacity (`capacity_of`).
   """
   if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches * cfg.ppo.microbatches == 1):
     return None
@@ -62,12 +68,41 @@ def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None) -> int 
   streams = logprobs.packed_streams(len(len_N) // G, mesh_lib.num_batch_shards(mesh))
   if streams == 0:
     return None
+  if rewards_N is not None and forward_only_applies(cfg):
+    rewards_N = transfer.allgather_rows(np.asarray(rewards_N, np.float32)[:, None])[:, 0]
+  else:
+    rewards_N = None
+  return capacity_of(len_N, rewards_N, G, streams, R)
+
+
+def capacity_of(len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int, streams: int,
+                max_new_tokens: int) -> int | SplitCapacity:
+  """`response_capacity` of all processes' rows: the whole batch's slots (`buckets.packed_capacity`), or with
+  rewards a SplitCapacity when the rows outside uniform groups fit a quarter or a half of them (two programs
+  per capacity, each compiled once). The forward-only stream gets the rest and one response more, so the
+  uniform rows that do not fit it (`forward_only_rows`) fit the trained stream's spare slots."""
+  R = max_new_tokens
   slots = (len(len_N) // streams) * R
-  fits = lambda lengths_N: buckets.packed_capacity(int(lengths_N.reshape(streams, -1).sum(axis=1).max()), slots)
-  whole = fits(len_N)
-  if rewards_N is None or not forward_only_applies(cfg):
+  most = lambda tokens_N: int(tokens_N.reshape(streams, -1).sum(axis=1).max())
+  whole = buckets.packed_capacity(most(len_N), slots)
+  if rewards_N is None:
     return whole
-  uniform_N = uniform_rows(transfer.allgather_rows(np.asarray(rewards_N, np.float32)[:, None])[:, 0], G)
-  if not uniform_N.any():
-    return whole
-  return SplitCapacity(whole, fits(np.where(uniform_N, 0, len_N)), fits(np.where(uniform_N, len_N, 0)))
+  uniform_N = forward_only_rows(rewards_N, len_N, group_size, streams, slots)
+  trained = most(np.where(uniform_N, 0, len_N))
+  for share in (4, 2):
+    if trained <= whole // share:
+      return SplitCapacity(whole, whole // share, min(whole - whole // share + R, slots))
+  return whole
+
+
+def forward_only_values(logp_of, params, batch, group_size: int, streams: int, split: SplitCapacity,
+                        prompt_bucket, max_new_tokens: int) -> dict:
+  """The step's rows for a SplitCapacity: response_len [N], fwd_only [N] (`forward_only_rows`) and the
+  forward-only stream's log-probs and entropy [N, S] from `logp_of` (the step's forward), without gradient,
+  0 at prompt positions and at the other rows' responses."""
+  len_N = jnp.minimum(batch.response_mask.sum(axis=1), max_new_tokens)
+  fwd_only_N = forward_only_rows(batch.rewards, len_N, group_size, streams, split.forward_only, jnp)
+  logp, entropy = jax.lax.stop_gradient(logp_of(
+      params, batch.tokens, batch.prompt_mask, batch.response_mask, True, prompt_bucket, split.forward_only,
+      prompt_positions=False, response_len_N=jnp.where(fwd_only_N, len_N, 0)))
+  return {"response_len": len_N, "fwd_only": fwd_only_N, "fwd_logp": logp, "fwd_entropy": entropy}

@@ -32,8 +32,7 @@ from erpo_jax.algo import advantages, diagnostics, losses, weights
 from erpo_jax.config import Config, PpoSection
 from erpo_jax.model import logprobs
 from erpo_jax.parallel import mesh as mesh_lib
-from erpo_jax.train import optim
-from erpo_jax.train.packing import SplitCapacity, forward_only_applies
+from erpo_jax.train import optim, packing
 
 
 @flax.struct.dataclass
@@ -116,8 +115,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     M, K = p.minibatches, p.microbatches
     # Packing is over the whole batch: minibatches and microbatches run unpacked.
     capacity = response_capacity if M * K == 1 else None
-    split = capacity if isinstance(capacity, SplitCapacity) else None
-    if split and not forward_only_applies(cfg):
+    split = capacity if isinstance(capacity, packing.SplitCapacity) else None
+    if split and not packing.forward_only_applies(cfg):
       raise ValueError("SplitCapacity needs packing.forward_only_applies(cfg)")
     capacity = split.whole if split else capacity
     whole_batch_logp = lambda params, prompt_positions=True: jax.lax.stop_gradient(logp_of(
@@ -153,11 +152,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       return mb["response_mask"] & ~mb["truncated"][:, None]
 
     def loss_fn(params, mb, denominators):
-      cap, lens = (split.trained, jnp.where(mb["uniform"], 0, mb["response_len"])) if split else (capacity, None)
+      cap, lens = (split.trained, jnp.where(mb["fwd_only"], 0, mb["response_len"])) if split else (capacity, None)
       logp, entropy = logp_of(params, mb["tokens"], mb["prompt_mask"], mb["response_mask"], True, prompt_bucket,
                               cap, response_len_N=lens)
       if split:  # uniform groups' responses: forward-only values, no gradient
-        at = mb["uniform"][:, None] & mb["response_mask"]
+        at = mb["fwd_only"][:, None] & mb["response_mask"]
         logp, entropy = jnp.where(at, mb["fwd_logp"], logp), jnp.where(at, mb["fwd_entropy"], entropy)
       old = mb["old_logp"] if old_pass else jax.lax.stop_gradient(logp)
       w = mb["w"]
@@ -186,11 +185,8 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
       rows["metric_ref_logp"] = metric_ref_logp
     if split:
       # Uniform groups (A = 0) add no gradient: their responses run forward-only, for the metrics.
-      rows["uniform"] = advantages.uniform_group_rows(batch.rewards, G)
-      rows["response_len"] = batch.response_mask.sum(axis=1)
-      rows["fwd_logp"], rows["fwd_entropy"] = jax.lax.stop_gradient(logp_of(
-          params, batch.tokens, batch.prompt_mask, batch.response_mask, True, prompt_bucket, split.forward_only,
-          prompt_positions=False, response_len_N=jnp.where(rows["uniform"], rows["response_len"], 0)))
+      rows.update(packing.forward_only_values(logp_of, params, batch, G, streams(N), split, prompt_bucket,
+                                              cfg.rollout.max_new_tokens))
     mbs = jax.tree.map(lambda x: _split_rows(x, M), rows)
 
     def minibatch_grads(params, mb):

@@ -81,6 +81,49 @@ def assert_same_update(cfg, whole_params, split_params, moved=0.5):
   assert max(np.abs(a - b).max() for a, b in zip(whole_params, before)) > moved * lr
 
 
+def test_uniform_rows_past_the_forward_only_capacity_run_in_the_trained_stream_with_the_same_update():
+  cfg = t.tiny_cfg(*CAPS, "erpo.kl_on=prompt")
+  batch = uniform_batch(2, [0])
+  len_N = np.minimum(np.asarray(batch.response_mask).sum(axis=1), R)
+  whole, trained, _ = capacities(batch, [0])
+  split = SplitCapacity(whole, trained + int(len_N[2:4].sum()), int(len_N[:2].sum()))  # rows 2, 3 do not fit
+  rows = packing.forward_only_rows(np.asarray(batch.rewards), len_N, t.G, 1, split.forward_only)
+  assert rows.tolist() == [True, True] + [False] * 6
+  whole_metrics, whole_params = run(cfg, batch, whole)
+  split_metrics, split_params = run(cfg, batch, split)
+  for key, value in whole_metrics.items():
+    assert split_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+  assert_same_update(cfg, whole_params, split_params)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_the_split_capacities_always_hold_every_response(streams):
+  rng = np.random.default_rng(streams)
+  G, R, split_seen = 8, 64, set()
+  for _ in range(300):
+    B = 4 * streams
+    len_N = rng.integers(1, R + 1, B * G)
+    if rng.random() < 0.5:
+      len_N = np.minimum(len_N, rng.integers(1, R + 1))
+    rewards_N = np.repeat(rng.random(B) < rng.random(), G).astype(np.float32)  # some groups all 1 or all 0
+    rewards_N[rng.random(B * G) < 0.1] = 0.5  # some groups mixed
+    cap = packing.capacity_of(len_N, rewards_N, G, streams, R)
+    whole = packing.capacity_of(len_N, None, G, streams, R)
+    assert whole >= len_N.reshape(streams, -1).sum(axis=1).max()
+    if not isinstance(cap, SplitCapacity):
+      assert cap == whole
+      continue
+    split_seen.add(whole // cap.trained)
+    fwd_N = packing.forward_only_rows(rewards_N, len_N, G, streams, cap.forward_only)
+    r_BxG = rewards_N.reshape(-1, G)
+    assert not np.any(fwd_N & ~np.repeat(np.all(r_BxG == r_BxG[:, :1], axis=1), G))  # only uniform rows
+    per_stream = lambda x_N: x_N.reshape(streams, -1).sum(axis=1)
+    assert per_stream(np.where(fwd_N, len_N, 0)).max() <= cap.forward_only
+    assert per_stream(np.where(fwd_N, 0, len_N)).max() <= cap.trained
+    assert cap.whole == whole and cap.trained in (whole // 4, whole // 2)
+  assert split_seen == {4, 2}
+
+
 def test_every_group_uniform_still_penalises_the_prompts():
   cfg = t.tiny_cfg(*CAPS, "erpo.kl_on=prompt")
   batch = uniform_batch(2, [0, 1])
@@ -114,16 +157,17 @@ def test_the_loop_splits_the_capacity_only_where_it_applies_and_a_group_is_unifo
   mesh = mesh_lib.make_mesh(t.tiny_cfg().mesh, devices=jax.devices()[:1])
   base = ["data.batch_size=4", "rollout.group_size=8", "rollout.max_new_tokens=64"]
   host = _host([40] * 16 + [10] * 16)  # 800 response tokens: 896 slots in multiples of 128
-  # Groups 0 and 2 uniform: 320 + 80 tokens trained, 320 + 80 forward-only, 512 slots each.
+  # Groups 0 and 2 uniform: 320 + 80 tokens trained, 320 + 80 forward-only.
   rewards = np.array([0.0] * 8 + [1.0, 0.0] * 4 + [0.5] * 8 + [1.0, 0.0] * 4, np.float32)
   cfg = t.tiny_cfg(*base, "erpo.kl_on=prompt")
   assert packing.response_capacity(cfg, host, mesh) == 896  # no rewards: the whole batch's
-  assert packing.response_capacity(cfg, host, mesh, rewards) == SplitCapacity(896, 512, 512)
+  # 400 trained tokens fit half the 896 slots; the forward-only stream gets the other half and one response more.
+  assert packing.response_capacity(cfg, host, mesh, rewards) == SplitCapacity(896, 448, 448 + 64)
   assert packing.response_capacity(cfg, host, mesh, np.arange(32, dtype=np.float32)) == 896  # none uniform
   for off in (["erpo.kl_on=response", "erpo.reference=forward"], ["model.forward_only_uniform_groups=false"],
               ["ppo.epochs=2"], ["ppo.entropy_coef=0.01"], ["model.pack_responses=false"]):
     assert packing.response_capacity(t.tiny_cfg(*base, "erpo.kl_on=prompt", *off), host, mesh, rewards) in (896, None)
-  assert packing.response_capacity(t.tiny_cfg(*base, "erpo.kl_on=none"), host, mesh, rewards) == (896, 512, 512)
+  assert packing.response_capacity(t.tiny_cfg(*base, "erpo.kl_on=none"), host, mesh, rewards) == (896, 448, 512)
 
 
 SHARDED = textwrap.dedent("""
