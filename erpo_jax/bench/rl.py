@@ -64,6 +64,9 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
     out[k.replace("host/", "") + "_per_step"] = bench_probe.median(vals) if vals else None
   rl = [r["response/len_mean"] for r in timed if "response/len_mean" in r]
   out["response_len_mean"] = sum(rl) / len(rl) if rl else None
+  # Groups whose rewards are all equal: with forward-only uniform groups, their responses skip the backward.
+  z = [r["reward/zero_std_groups"] for r in timed if "reward/zero_std_groups" in r]
+  out["zero_std_groups_mean"] = sum(z) / len(z) if z else None
   return out
 
 

@@ -172,9 +172,12 @@ def test_rl_summary_leaves_out_the_warmup_steps():
   rows = [{"step": 1, "time/step": 30.0, "time/rollout": 20.0, "time/to_first_step": 42.0,
            "host/page_faults": 900000, "host/system_s": 9.0},
           {"step": 2, "time/step": 3.0, "time/rollout": 1.0, "host/page_faults": 10, "host/system_s": 0.5},
-          {"step": 3, "time/step": 5.0, "time/rollout": 2.0, "host/page_faults": 30, "host/system_s": 0.1},
-          {"step": 4, "time/step": 4.0, "time/rollout": 3.0, "host/page_faults": 20, "host/system_s": 0.2}]
+          {"step": 3, "time/step": 5.0, "time/rollout": 2.0, "host/page_faults": 30, "host/system_s": 0.1,
+           "reward/zero_std_groups": 0.5},
+          {"step": 4, "time/step": 4.0, "time/rollout": 3.0, "host/page_faults": 20, "host/system_s": 0.2,
+           "reward/zero_std_groups": 1.0}]
   out = bench_rl.summarize_steps(rows, warmup=1)
+  assert out["zero_std_groups_mean"] == 0.75
   assert out["step_s"] == 4.0 and out["rollout_s"] == 2.0 and out["timed_steps"] == [2, 3, 4]
   assert out["page_faults_per_step"] == 20 and out["system_s_per_step"] == 0.2
   assert out["warmup_step_times_s"] == [30.0] and out["update_s"] is None
