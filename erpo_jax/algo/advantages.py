@@ -132,10 +132,11 @@ def group_advantages(rewards_N: jax.Array, group_size: int, *, estimator: Estima
                           valid_N=valid_N)
 
 
-def uniform_group_rows(rewards_N: jax.Array, group_size: int) -> jax.Array:
-  """[N] bool: the rows of contiguous groups whose rewards are all equal (they get A = 0)."""
-  r_BxG = jnp.asarray(rewards_N).reshape(-1, group_size)
-  return jnp.repeat(jnp.all(r_BxG == r_BxG[:, :1], axis=1), group_size)
+def uniform_group_rows(rewards_N, group_size: int, xp=jnp):
+  """[N] bool: the rows of contiguous groups whose rewards are all equal (they get A = 0). xp=numpy gives the
+  host the same answer on the same float32 rewards."""
+  r_BxG = xp.asarray(rewards_N, xp.float32).reshape(-1, group_size)
+  return xp.repeat(xp.all(r_BxG == r_BxG[:, :1], axis=1), group_size)
 
 
 def zero_std_group_fraction(rewards_N: jax.Array, group_size: int) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from erpo_jax import buckets
+from erpo_jax.algo import advantages
 from erpo_jax.model import logprobs
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.parallel import transfer
@@ -47,8 +48,7 @@ def forward_only_rows(rewards_N, len_N, group_size: int, streams: int, capacity:
   """[N] bool: the rows whose responses run forward-only: in each stream's row order, the rows of groups whose
   rewards are all equal as long as their tokens so far fit `capacity`; the uniform rows after them run in the
   trained stream's spare slots. Exact integer sums, the same in the step (xp=jax.numpy) as on the host."""
-  r_BxG = xp.asarray(rewards_N, xp.float32).reshape(-1, group_size)
-  uniform_N = xp.repeat(xp.all(r_BxG == r_BxG[:, :1], axis=1), group_size)
+  uniform_N = advantages.uniform_group_rows(rewards_N, group_size, xp)
   tokens_SxN = xp.where(uniform_N, len_N, 0).reshape(streams, -1)
   return uniform_N & (xp.cumsum(tokens_SxN, axis=1).reshape(-1) <= capacity)
 
@@ -87,7 +87,7 @@ def capacity_of(len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int
   whole = buckets.packed_capacity(most(len_N), slots)
   if rewards_N is None:
     return whole
-  uniform_N = forward_only_rows(rewards_N, len_N, group_size, streams, slots)
+  uniform_N = advantages.uniform_group_rows(rewards_N, group_size, np)
   trained = most(np.where(uniform_N, 0, len_N))
   for share in (4, 2):
     if trained <= whole // share:

@@ -104,10 +104,11 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
         N, S, group_size=G, prompt_bucket=prompt_bucket or cfg.data.max_prompt_tokens or S,
         response_bucket=cfg.rollout.max_new_tokens, capacity=capacity, streams=streams(N),
         shared=cfg.model.shared_prefix)
+    lens = response_mask.sum(axis=1) if response_len_N is None else response_len_N
     return logprobs.log_probs(nnx.merge(graphdef, params), tokens, prompt_len_N=prompt_mask.sum(axis=1),
-                              response_len_N=response_mask.sum(axis=1) if response_len_N is None else response_len_N,
-                              temperature=temperature, chunk=cfg.model.logits_chunk, layout=layout, with_entropy=with_entropy,
-                              prompt_grads=prompt_grads, prompt_positions=prompt_positions)
+                              response_len_N=lens, temperature=temperature, chunk=cfg.model.logits_chunk,
+                              layout=layout, with_entropy=with_entropy, prompt_grads=prompt_grads,
+                              prompt_positions=prompt_positions)
 
   def step(params, opt_state, ref_params, batch: UpdateBatch, prompt_bucket: int | None = None,
            response_capacity: int | None = None):
