@@ -90,9 +90,9 @@ def tiny(name: str, hf_config, model_class, seed: int) -> None:
 def smollm2() -> None:
   from erpo_jax.model.io import export
   from erpo_jax.model.io import gguf
-  from erpo_jax.model.io import loading  # pylint: disable=import-outside-toplevel
+  from erpo_jax.model.io import loading, sources  # pylint: disable=import-outside-toplevel
 
-  path = loading.builtin_path(loading.DEFAULT_BUILTIN)
+  path = sources.builtin_path(sources.DEFAULT_BUILTIN)
   net = loading.load_gguf_model(path)
   tok = gguf.read_tokenizer(gguf.open_gguf(path))
   texts = [tok.render_chat(chat) for chat in CHATS]

@@ -24,7 +24,7 @@ from erpo_jax.data.sources import (
   train_source,
 )
 from erpo_jax.errors import ConfigError
-from erpo_jax.model.io.loading import load_tokenizer
+from erpo_jax.model.io.sources import load_tokenizer
 from erpo_jax.reward.verifier import Verifier
 
 log = logging.getLogger(__name__)

@@ -249,7 +249,7 @@ def packed_log_probs(model: Transformer, tokens_NxS: jax.Array, prompt_len_N: ja
   hp, hs, tokens_BxP, tokens_C, idx_K, inv_C = packed_hidden(
       model, tokens_NxS, prompt_len_N, response_len_N, G, prompt_bucket=prompt_bucket,
       response_bucket=response_bucket, capacity=capacity)
-  (B, P, D), C = hp.shape, hs.shape[0]
+  B, P, D = hp.shape
   R = idx_K.shape[0] // N
   len_N = prompt_len_N.astype(jnp.int32)
   h_last_BxD = last_prompt_hidden(hp, len_N, G)

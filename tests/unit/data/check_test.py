@@ -109,6 +109,18 @@ def test_the_command_prints_the_report():
   assert "suggested data.max_prompt_tokens: 128" in proc.stdout
 
 
+def test_the_command_reports_without_importing_jax():
+  # Checking a data set reads text and a tokenizer: it does not wait seconds for JAX and XLA to load.
+  code = ("import sys\nfrom erpo_jax import cli\n"
+          f"rc = cli.main(['data', 'check', '--config', 'configs/default.yaml', "
+          f"'data.source={FIXTURES / 'check.gsm8k.jsonl'}'])\n"
+          "print(rc, sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  assert "rows: 8 read, 3 usable, 5 skipped" in proc.stdout
+  assert proc.stdout.splitlines()[-1] == "0 []"
+
+
 def test_a_missing_data_file_is_one_line_and_exit_code_2():
   proc = _cli("--config", "configs/default.yaml", "data.source=/nonexistent/math.jsonl")
   assert proc.returncode == 2

