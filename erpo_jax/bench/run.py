@@ -14,7 +14,8 @@ step and rollout workers measure the matmul peak (and read bandwidth) again
 right after their timed runs, since the shared host's load drifts. The parent
 adds utilisation (achieved FLOP/s over the matmul peak of the compute dtype)
 and memory-bandwidth floors, prints each record as it comes, and ends with a
-`summary` line of ratios.
+`summary` line of ratios: a step variant's over (c) as the ratio of their
+medians and, `..._paired`, as the median of the rounds' own ratios.
 
 step: the update on the same N x S batch in four settings:
   (a) ERPO, reference forward in the step (kl_on=prompt, reference=forward, weights=static)
@@ -37,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +158,16 @@ def profile_records(cfg: Config, *, warmup: int, tmp: str, device: dict[str, Any
       yield rec
 
 
+def paired_ratio(rec: dict[str, Any], base: dict[str, Any]) -> float | None:
+  """The median over rounds of rec's time over base's in the same round, where both were timed taking turns in
+  one process (`times_s`, one per round). A host whose speed drifts by more than the variants differ moves
+  both times of a round together: the ratio of the two medians can then differ from the rounds' own ratios."""
+  a, b = rec.get("times_s"), base.get("times_s")
+  if not a or not b or len(a) != len(b):
+    return None
+  return statistics.median(x / y for x, y in zip(a, b))
+
+
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
   """Ratios across the measurements: step times over (c), rl figures over the peer's (an `against` record)."""
   out: dict[str, Any] = {"name": "summary"}
@@ -167,9 +179,15 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     for v in "abde":
       if c and (v, sp) in steps:
         out[f"step_{v}_over_c{suffix}"] = steps[(v, sp)]["time_s"] / c["time_s"]
+        paired = paired_ratio(steps[(v, sp)], c)
+        if paired is not None:
+          out[f"step_{v}_over_c{suffix}_paired"] = paired
   for v in STEP_VARIANTS:
     if (v, False) in steps and (v, True) in steps:
       out[f"step_{v}_shared_prefix_speedup"] = steps[(v, False)]["time_s"] / steps[(v, True)]["time_s"]
+      paired = paired_ratio(steps[(v, False)], steps[(v, True)])
+      if paired is not None:
+        out[f"step_{v}_shared_prefix_speedup_paired"] = paired
   for (v, sp), r in sorted(steps.items(), key=str):
     if r.get("mfu") is not None:
       out[f"step_{v}_mfu" + ("" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}")] = r["mfu"]

@@ -151,6 +151,24 @@ def test_summary_divides_step_times_by_the_grpo_step():
   assert s["errors"] == 0
 
 
+def test_summary_pairs_the_rounds_of_variants_timed_taking_turns():
+  # (b) took 0.9x (c)'s time in two rounds of three while the host's speed swung between rounds: the medians'
+  # ratio (3.6 / 3.0) says (b) is the slower, the median of the rounds' own ratios says 0.9x.
+  recs = [{"name": "step/b/shared_prefix_on", "variant": "b", "shared_prefix": True, "time_s": 3.6,
+           "times_s": [1.8, 4.5, 3.6]},
+          {"name": "step/c/shared_prefix_on", "variant": "c", "shared_prefix": True, "time_s": 3.0,
+           "times_s": [2.0, 5.0, 3.0]},
+          {"name": "step/c/shared_prefix_off", "variant": "c", "shared_prefix": False, "time_s": 4.0,
+           "times_s": [4.0, 6.0]}]
+  s = bench_run.summary(recs)
+  assert s["step_b_over_c_shared_prefix_on"] == pytest.approx(1.2)
+  assert s["step_b_over_c_shared_prefix_on_paired"] == pytest.approx(0.9)
+  assert s["step_c_shared_prefix_speedup"] == pytest.approx(4.0 / 3.0)
+  assert "step_c_shared_prefix_speedup_paired" not in s  # rounds of different counts: not one timing
+  no_rounds = bench_run.summary([{k: v for k, v in r.items() if k != "times_s"} for r in recs])
+  assert "step_b_over_c_shared_prefix_on" in no_rounds and not any(k.endswith("_paired") for k in no_rounds)
+
+
 def test_rl_floors_use_the_higher_of_the_device_line_and_a_peak_taken_in_the_rl_process_after_its_steps(tmp_path):
   # As every other timed kind: a device line taken in a busy moment must not flatter the floors.
   from erpo_jax.bench import worker
