@@ -38,7 +38,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from erpo_jax.bench import machine
 from erpo_jax.bench.floors import with_decode_floors, with_rl_floors, with_spec_peaks, with_utilisation
 from erpo_jax.bench import peer as bench_peer
 from erpo_jax.bench import profile as bench_profile
+from erpo_jax.bench.ratios import summary
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
 
@@ -156,63 +156,6 @@ def profile_records(cfg: Config, *, warmup: int, tmp: str, device: dict[str, Any
               f"{rec['other_s']:.2f} s; every op: {table}", file=sys.stderr, flush=True)
         bench_profile.mark_above_peak(rec, tag)
       yield rec
-
-
-def paired_ratio(rec: dict[str, Any], base: dict[str, Any]) -> float | None:
-  """The median over rounds of rec's time over base's in the same round, where both were timed taking turns in
-  one process (`times_s`, one per round). A host whose speed drifts by more than the variants differ moves
-  both times of a round together: the ratio of the two medians can then differ from the rounds' own ratios."""
-  a, b = rec.get("times_s"), base.get("times_s")
-  if not a or not b or len(a) != len(b):
-    return None
-  return statistics.median(x / y for x, y in zip(a, b))
-
-
-def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-  """Ratios across the measurements: step times over (c), rl figures over the peer's (an `against` record)."""
-  out: dict[str, Any] = {"name": "summary"}
-  steps = {(r["variant"], r.get("shared_prefix")): r for r in records
-           if r["name"].startswith("step/") and "time_s" in r}
-  for sp in sorted({k[1] for k in steps}, key=str):
-    suffix = "" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}"
-    c = steps.get(("c", sp))
-    for v in "abde":
-      if c and (v, sp) in steps:
-        out[f"step_{v}_over_c{suffix}"] = steps[(v, sp)]["time_s"] / c["time_s"]
-        paired = paired_ratio(steps[(v, sp)], c)
-        if paired is not None:
-          out[f"step_{v}_over_c{suffix}_paired"] = paired
-  for v in STEP_VARIANTS:
-    if (v, False) in steps and (v, True) in steps:
-      out[f"step_{v}_shared_prefix_speedup"] = steps[(v, False)]["time_s"] / steps[(v, True)]["time_s"]
-      paired = paired_ratio(steps[(v, False)], steps[(v, True)])
-      if paired is not None:
-        out[f"step_{v}_shared_prefix_speedup_paired"] = paired
-  for (v, sp), r in sorted(steps.items(), key=str):
-    if r.get("mfu") is not None:
-      out[f"step_{v}_mfu" + ("" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}")] = r["mfu"]
-  for r in records:
-    if r["name"] == "rollout/sampler" and "decode_tokens_per_s" in r:
-      out["decode_tokens_per_s"] = r["decode_tokens_per_s"]
-      out["decode_bandwidth_fraction"] = r.get("decode_bandwidth_fraction")
-      if r.get("decode_spec_bandwidth_fraction") is not None:
-        out["decode_spec_bandwidth_fraction"] = r["decode_spec_bandwidth_fraction"]
-    if r["name"] == "rollout/greedy_uncached" and "cache_speedup" in r:
-      out["kv_cache_speedup"] = r["cache_speedup"]
-    if r["name"] == "rl" and r.get("step_s"):
-      out["rl_step_s"] = r["step_s"]
-      out["rl_peak_rss_bytes"] = max(r["peak_rss_bytes"], r["peak_children_rss_bytes"])
-      for phase in ("update", "rollout"):
-        if r.get(f"{phase}_over_floor") is not None:
-          out[f"rl_{phase}_over_floor"] = r[f"{phase}_over_floor"]
-    if r["name"] == "reference" and r.get("utilisation") is not None:
-      out["reference_pass_utilisation"] = r["utilisation"]
-    if r["name"] == "against":
-      out["peer"] = r["peer"]
-      out.update({f"rl_{k}_over_peer": v for k, v in r["ratios"].items()})
-  out["errors"] = sum(("error" in r) + ("memory_error" in r) for r in records)
-  out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-  return out
 
 
 def _clean(x):
