@@ -87,6 +87,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def conditional_collectives_unsafe(mesh: Mesh) -> bool:
+  """True on a CPU mesh of more than one device: there XLA's CPU runtime can run a conditional holding
+  collectives and a collective outside it in different orders on different devices, and every device then
+  waits in a collective the others never reach (seen with jaxlib 0.10.2 on 8 CPU devices, once in about
+  20 calls of the update whose Policy-KL reference forward sat in a `lax.cond`). Programs there compute
+  both sides and select instead."""
+  return mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
 def num_batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 

@@ -129,12 +129,15 @@ def build_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, s
     # Cached reference with reference params: their forward gives the responses' reference log-probs, for
     # kl/policy only; the prompts keep the cached ones, so kl/query and the loss are those of the cached step.
     # The forward runs on the steps whose batch.policy_kl is set: one program for every step. It skips the
-    # prompt positions' lm-head (their values would be replaced by the cached ones).
+    # prompt positions' lm-head (the cached values replace them). On a CPU mesh of several devices it runs in
+    # every step, its values kept on those steps (`conditional_collectives_unsafe`).
     policy_kl_only = e.reference == "cached" and ref_params is not None
     if policy_kl_only:
-      metric_ref_logp = jax.lax.cond(
-          batch.policy_kl, lambda: jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params, False)),
-          lambda: batch.ref_logp)
+      with_ref = lambda: jnp.where(batch.prompt_mask, batch.ref_logp, whole_batch_logp(ref_params, False))
+      if mesh_lib.conditional_collectives_unsafe(mesh):
+        metric_ref_logp = jnp.where(batch.policy_kl, with_ref(), batch.ref_logp)
+      else:
+        metric_ref_logp = jax.lax.cond(batch.policy_kl, with_ref, lambda: batch.ref_logp)
     if old_pass:
       old_logp = whole_batch_logp(params)
     else:

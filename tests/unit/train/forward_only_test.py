@@ -3,6 +3,7 @@ response runs backward, on one device and on sharded meshes; where it applies an
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -186,24 +187,50 @@ SHARDED = textwrap.dedent("""
       streams = logprobs.packed_streams(4, mesh_lib.num_batch_shards(mesh_lib.make_mesh(cfg.mesh, devices=devices)))
       split = f.capacities(batch, [1, 2], streams)
       step, _, params, ref, opt = t.build(cfg, devices=devices, with_reference=True)
-      params, _, m = step(params, opt, ref, batch, None, split)
+      params, opt, m = step(params, opt, ref, batch, None, split)
       out[str((d, fs, tp))] = {{"streams": streams, "metrics": {{k: float(v) for k, v in m.items()}},
                                "params": [np.asarray(x).ravel()[:50].tolist() for x in jax.tree.leaves(params)]}}
+    # More steps on the last mesh, the Policy-KL reference forward on every other one, as a run does.
+    policy_kl = []
+    for i in range(int(sys.argv[2])):
+      params, opt, m = step(params, opt, ref, batch.replace(policy_kl=np.bool_(i % 2 == 0)), None, split)
+      policy_kl.append(float(m["kl/policy"]))
+    out["policy_kl"] = policy_kl
     print(json.dumps(out))
 """)
+MESHES = [(1, 1, 1), (2, 1, 1), (2, 2, 2)]  # one stream; two; four (one group each, one of them uniform)
+MORE_STEPS = 100
 
 
-def test_forward_only_uniform_groups_sharded_equal_one_device_on_8_cpu_devices():
-  meshes = [(1, 1, 1), (2, 1, 1), (2, 2, 2)]  # one stream; two; four (one group each, one of them uniform)
-  res = subprocess.run([sys.executable, "-c", SHARDED.format(tests=os.path.dirname(__file__)), json.dumps(meshes)],
-                       env=multihost.cpu_device_env(os.environ, 8), capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def sharded_runs():
+  """One process on 8 CPU devices: a step on each mesh, then MORE_STEPS on the last. A collective that waits
+  60 s for a device ends the process (XLA's flag), so a deadlock fails the tests in a minute."""
+  env = multihost.cpu_device_env(os.environ, 8)
+  env["XLA_FLAGS"] = re.sub(r"--xla_cpu_collective_call_terminate_timeout_seconds=\d+", "", env["XLA_FLAGS"])
+  env["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=60"
+  res = subprocess.run([sys.executable, "-c", SHARDED.format(tests=os.path.dirname(__file__)), json.dumps(MESHES),
+                        str(MORE_STEPS)], env=env, capture_output=True, text=True, timeout=900)
   assert res.returncode == 0, res.stderr[-3000:]
-  out = json.loads(res.stdout.strip().splitlines()[-1])
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_forward_only_uniform_groups_sharded_equal_one_device_on_8_cpu_devices(sharded_runs):
+  out = sharded_runs
   base = out[str((1, 1, 1))]
-  assert [out[str(m)]["streams"] for m in meshes] == [1, 2, 4]
-  for m in meshes[1:]:
+  assert [out[str(m)]["streams"] for m in MESHES] == [1, 2, 4]
+  for m in MESHES[1:]:
     got = out[str(m)]
     for k, v in base["metrics"].items():
       assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), (m, k)
     for a, b in zip(base["params"], got["params"]):
       np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_the_policy_kl_reference_forward_on_alternate_steps_never_deadlocks_8_cpu_devices(sharded_runs):
+  """The update with the Policy-KL reference forward in a `lax.cond` deadlocked about once in 20 calls on a
+  CPU mesh of 8 devices (mesh.conditional_collectives_unsafe); there the forward runs in every step."""
+  kl = np.array(sharded_runs["policy_kl"])
+  assert len(kl) == MORE_STEPS
+  assert np.all(np.isfinite(kl[0::2])) and np.all(kl[0::2] > 0)
+  assert np.all(np.isnan(kl[1::2]))
