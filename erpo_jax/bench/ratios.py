@@ -22,6 +22,14 @@ def paired_ratio(rec: dict[str, Any], base: dict[str, Any]) -> float | None:
   return statistics.median(x / y for x, y in zip(a, b))
 
 
+def _put_ratio(out: dict[str, Any], key: str, rec: dict[str, Any], base: dict[str, Any]) -> None:
+  """out[key] = rec's median time over base's, and out[key + "_paired"] where their rounds pair up."""
+  out[key] = rec["time_s"] / base["time_s"]
+  paired = paired_ratio(rec, base)
+  if paired is not None:
+    out[f"{key}_paired"] = paired
+
+
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
   """Ratios across the measurements: step times over (c), rl figures over the peer's (an `against` record)."""
   out: dict[str, Any] = {"name": "summary"}
@@ -32,16 +40,10 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     c = steps.get(("c", sp))
     for v in "abde":
       if c and (v, sp) in steps:
-        out[f"step_{v}_over_c{suffix}"] = steps[(v, sp)]["time_s"] / c["time_s"]
-        paired = paired_ratio(steps[(v, sp)], c)
-        if paired is not None:
-          out[f"step_{v}_over_c{suffix}_paired"] = paired
+        _put_ratio(out, f"step_{v}_over_c{suffix}", steps[(v, sp)], c)
   for v in sorted({v for v, _ in steps}):
     if (v, False) in steps and (v, True) in steps:
-      out[f"step_{v}_shared_prefix_speedup"] = steps[(v, False)]["time_s"] / steps[(v, True)]["time_s"]
-      paired = paired_ratio(steps[(v, False)], steps[(v, True)])
-      if paired is not None:
-        out[f"step_{v}_shared_prefix_speedup_paired"] = paired
+      _put_ratio(out, f"step_{v}_shared_prefix_speedup", steps[(v, False)], steps[(v, True)])
   for (v, sp), r in sorted(steps.items(), key=str):
     if r.get("mfu") is not None:
       out[f"step_{v}_mfu" + ("" if sp is None else f"_shared_prefix_{'on' if sp else 'off'}")] = r["mfu"]
