@@ -26,13 +26,15 @@ def _full(h, w, t, temp, g_logp, g_ent):
   return jnp.sum(g_logp * logp) + jnp.sum(g_ent * ent)
 
 
+@pytest.mark.parametrize("keep_logits", [True, False], ids=["logits_kept", "logits_recomputed"])
 @pytest.mark.parametrize("chunk", [1, 64, 300, 1000])
-def test_chunked_log_probs_entropy_and_gradients_equal_the_full_logits(chunk):
+def test_chunked_log_probs_entropy_and_gradients_equal_the_full_logits(chunk, keep_logits):
   h, w, t, temp = _inputs()
   g_logp, g_ent = (jax.random.normal(k, (h.shape[0],)) for k in jax.random.split(jax.random.key(9)))
 
   def chunked(h, w):
-    logp, ent = lm_head.token_log_probs(h, w, t, chunk=chunk, temperature=temp, with_entropy=True)
+    logp, ent = lm_head.token_log_probs(h, w, t, chunk=chunk, temperature=temp, with_entropy=True,
+                                        keep_logits=keep_logits)
     return jnp.sum(g_logp * logp) + jnp.sum(g_ent * ent)
 
   logp, ent = jax.jit(lambda h, w: lm_head.token_log_probs(h, w, t, chunk=chunk, temperature=temp,
@@ -81,6 +83,27 @@ def test_the_weight_gradient_comes_back_in_the_weights_dtype_summed_in_float32()
   g16 = jax.grad(lambda w: lm_head.token_log_probs(h.astype(jnp.bfloat16), w, t, chunk=8)[0].sum())(
       w.astype(jnp.bfloat16))
   assert g16.dtype == jnp.bfloat16
+
+
+def test_the_backward_reads_the_kept_logits_and_recomputes_them_beyond_the_budget(monkeypatch):
+  """Kept logits give the recomputed backward's gradients (to float32 rounding: XLA fuses the two programs'
+  elementwise work differently), with one lm-head product fewer in the program; past KEPT_LOGITS_BYTES the backward recomputes them."""
+  h, w, t, temp = _inputs(M=200)
+
+  def grads(keep_logits):
+    f = lambda h, w: lm_head.token_log_probs(h, w, t, chunk=64, temperature=temp, keep_logits=keep_logits)[0]
+    loss = lambda h, w: jnp.sum(f(h, w) * jnp.linspace(0.5, 1.5, 200))
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    dots = g.lower(h, w).as_text().count("dot_general")
+    return g(h, w), dots
+
+  (kept, dots_kept), (recomputed, dots_recomputed) = grads(True), grads(False)
+  for a, b in zip(kept, recomputed):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert (dots_kept, dots_recomputed) == (3, 4)  # forward; dW and dh (and the recomputed logits)
+  assert grads(None)[1] == 3  # 256 x 512 x 4 bytes of logits: within the budget
+  monkeypatch.setattr(lm_head, "KEPT_LOGITS_BYTES", 256 * 512 * 4 - 1)
+  assert grads(None)[1] == 4
 
 
 def test_auto_chunk_is_128_tokens_on_a_cpu_and_a_gibibyte_of_logits_on_an_accelerator():
