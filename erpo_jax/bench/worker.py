@@ -26,7 +26,8 @@ from erpo_jax.config_io import load_config
 
 
 def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
-  """Adds the matmul peak of the record's dtype (and the read bandwidth) measured here, just after it.
+  """Adds the matmul peak of the record's dtype, the cost of fresh memory (`probe.first_touch_s_per_gib`) and
+  (asked) the read bandwidth, measured here, just after it.
 
   The host is shared: a peak taken minutes earlier in another process may
   have seen another load. Taken after the record's peak memory was read.
@@ -34,6 +35,7 @@ def with_local_peaks(record: dict, *, bandwidth: bool) -> dict:
   n = 8192 if record["platform"] != "cpu" else 2048
   dtype = jnp.bfloat16 if record["dtype"] == "bfloat16" else jnp.float32
   record["local_peak_flops_per_s"] = bench_probe.matmul_peak(n, dtype)["flops_per_s"]
+  record["local_first_touch_s_per_gib"] = bench_probe.first_touch_s_per_gib()
   if bandwidth:
     size = (1 << 30) if record["platform"] != "cpu" else (256 << 20)
     record["local_read_bytes_per_s"] = bench_probe.read_bandwidth(size)["read_bytes_per_s"]

@@ -177,6 +177,7 @@ def test_rl_floors_use_the_higher_of_the_device_line_and_a_peak_taken_in_the_rl_
                        iters=1, warmup=1)
   local = rec["local_peak_flops_per_s"]
   assert local > 0 and rec["update_flops"] > 0 and rec["update_s"] > 0
+  assert 0 < rec["local_first_touch_s_per_gib"] < 600
   low = dict(rec)
   bench_floors.with_rl_floors(low, {"peak_flops_per_s_float32": local / 2})
   assert low["peak_source"] == "same process, after the timed runs" and low["peak_flops_per_s"] == local
@@ -184,6 +185,15 @@ def test_rl_floors_use_the_higher_of_the_device_line_and_a_peak_taken_in_the_rl_
   high = dict(rec)
   bench_floors.with_rl_floors(high, {"peak_flops_per_s_float32": local * 2})
   assert high["peak_source"] == "device line" and high["update_floor_s"] == pytest.approx(rec["update_flops"] / local / 2)
+
+
+def test_the_first_touch_probe_times_fresh_pages_and_scales_the_time_to_a_gibibyte(monkeypatch):
+  from erpo_jax.bench import probe as bench_probe
+  real = bench_probe.first_touch_s_per_gib()
+  assert 0 < real < 600  # seconds per GiB: 0.1-0.3 on bare metal, up to about 11 seen on a VM
+  clock = iter([10.0, 10.5])
+  monkeypatch.setattr(bench_probe.time, "perf_counter", lambda: next(clock))
+  assert bench_probe.first_touch_s_per_gib(64 << 10) == pytest.approx(0.5 * (1 << 30) / (64 << 10))
 
 
 def test_rl_summary_leaves_out_the_warmup_steps():
