@@ -6,8 +6,9 @@ One custom VJP covers the whole chunk loop. Forward: each chunk's float32 logits
 log-sum-exp, the target's log-prob and, when asked, the entropy; a chunk keeps its log-sum-exp ([C]) and, while
 all chunks' logits fit in KEPT_LOGITS_BYTES, its logits too. Backward: the loop again, each chunk's logits read
 back (or recomputed: a fourth product the size of the forward's), its cotangent rounded once to the compute
-dtype, and the unembedding's gradient summed in float32 over the chunks, returned once in W's own dtype. Autodiff of the loop
-would sum that gradient in the dtype W has inside it: in bfloat16 the sum of n chunks loses precision as n grows.
+dtype, and the unembedding's gradient summed in float32 over the chunks, returned once in W's own dtype.
+Autodiff of the loop would sum that gradient in the dtype W has inside it: in bfloat16 the sum of n chunks loses
+precision as n grows.
 The logits are W [V, D] @ h^T [D, C] (column-major): XLA's CPU streams W in place and the weight gradient comes
 out as [V, D], with no transpose of a [V, D]-sized operand.
 """

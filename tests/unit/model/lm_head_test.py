@@ -87,7 +87,8 @@ def test_the_weight_gradient_comes_back_in_the_weights_dtype_summed_in_float32()
 
 def test_the_backward_reads_the_kept_logits_and_recomputes_them_beyond_the_budget(monkeypatch):
   """Kept logits give the recomputed backward's gradients (to float32 rounding: XLA fuses the two programs'
-  elementwise work differently), with one lm-head product fewer in the program; past KEPT_LOGITS_BYTES the backward recomputes them."""
+  elementwise work differently), with one lm-head product fewer in the program; past KEPT_LOGITS_BYTES the
+  backward recomputes them."""
   h, w, t, temp = _inputs(M=200)
 
   def grads(keep_logits):
