@@ -26,6 +26,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # 8 CPU devices on 2 cores beside the other worker: XLA ends the process when a device thread reaches a
 # collective more than 40 s (its default) after the others. 120 s leaves room for a loaded host and still
-# ends a deadlocked process in two minutes (mesh.conditional_collectives_unsafe names the one seen).
+# ends a deadlocked process in two minutes (mesh.conditional_collectives_unsafe and multihost.cpu_xla_threads
+# name the ones seen; tests start multi-device processes with multihost.cpu_device_env).
 if "--xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_collective_call_terminate_timeout_seconds=120"

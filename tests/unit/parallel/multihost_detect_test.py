@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -235,3 +236,20 @@ def test_run_local_processes_adds_the_device_count_to_the_callers_xla_flags(monk
   assert [rc for rc, _ in runs] == [0, 0]
   assert [out.strip() for _, out in runs] == [
       "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=3 cpu"] * 2
+
+
+def test_a_process_on_cpu_devices_gets_four_xla_threads_a_device_never_fewer_than_the_cores_or_its_own():
+  assert multihost.cpu_xla_threads(8, cores=2) == 32
+  assert multihost.cpu_xla_threads(8, cores=64) == 64
+  base = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+  assert multihost.cpu_device_env(base, 8)["PJRT_NPROC"] == str(multihost.cpu_xla_threads(8))
+  assert multihost.cpu_device_env({**base, "PJRT_NPROC": "4"}, 8)["PJRT_NPROC"] == str(multihost.cpu_xla_threads(8))
+  assert multihost.cpu_device_env({**base, "PJRT_NPROC": "200"}, 8)["PJRT_NPROC"] == "200"
+  # XLA's CPU client starts that many intra-op threads ("tf_XLAEigen"); its default would be max(cores, 8).
+  script = ("import collections, os, jax, jax.numpy as jnp; x = jnp.ones((64, 64)); (x @ x).block_until_ready(); "
+            "print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' "
+            "for t in os.listdir('/proc/self/task')), jax.device_count())")
+  out = subprocess.run([sys.executable, "-c", script], env=multihost.cpu_device_env(os.environ, 8),
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == [str(multihost.cpu_xla_threads(8)), "8"]

@@ -17,6 +17,7 @@ from erpo_jax.errors import DataError
 from erpo_jax.model import cpu_kernel, llama, logprobs
 from erpo_jax.model.kv_cache import GroupKVCache
 from erpo_jax.model.config import ModelConfig
+from erpo_jax.parallel import multihost
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 from erpo_jax.rollout.sampling import categorical, sample_token, sample_token_columns
 
@@ -277,8 +278,6 @@ def test_top_k_one_sampling_equals_greedy(model):
 
 
 _SHARDED = textwrap.dedent("""
-    import os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import types, jax, numpy as np
     from erpo_jax.parallel import mesh as mesh_lib
     from erpo_jax.config_run import MeshSection
@@ -302,7 +301,7 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_sharded_batch_on_eight_cpu_devices_matches_one_device():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = multihost.cpu_device_env(os.environ, 8)
   out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, env=env, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "row blocks 8" in out.stdout  # N = 16 rows in 8 blocks of 2
