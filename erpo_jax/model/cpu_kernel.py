@@ -164,8 +164,10 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
   elif platform.machine().lower() not in ("x86_64", "amd64"):
     _why_not = f"no kernel for {platform.machine()}"
   else:
+    out_dir = _writable_dir(cache_dir())
+    scratch = None if out_dir else tempfile.mkdtemp(prefix="erpo-jax-native-")
     try:
-      path = build(cxx, _writable_dir(cache_dir()) or tempfile.mkdtemp(prefix="erpo-jax-native-"))
+      path = build(cxx, out_dir or scratch)
       lib = ctypes.cdll.LoadLibrary(path)
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ErpoDecodeMatmul), platform="cpu")
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ErpoPackPanels), platform="cpu")
@@ -174,6 +176,9 @@ def _load_locked() -> tuple[ctypes.CDLL, int] | None:
       _lib = (lib, int(lib.erpo_panel_rows()))
     except (RuntimeError, OSError) as e:
       _why_not = f"it did not build ({e})"
+    finally:
+      if scratch:  # a loaded library stays mapped: nothing is left in the temporary folder
+        shutil.rmtree(scratch, ignore_errors=True)
   if _why_not is not None:
     print(f"erpo-jax: decoding and the update's attention with XLA's ops, not the CPU kernel: {_why_not}; "
           f"{ENV}=off skips the kernel", file=sys.stderr, flush=True)

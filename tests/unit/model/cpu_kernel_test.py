@@ -214,10 +214,14 @@ def test_a_failed_build_keeps_xla_dot_and_quotes_the_compiler(tmp_path):
   assert not list((tmp_path / "erpo-jax" / "native").glob("*.so"))  # nothing half-built is kept
 
 
-def test_a_cache_folder_that_cannot_be_made_builds_the_kernel_for_the_process_alone(kernel_rows, tmp_path):
+def test_a_cache_folder_that_cannot_be_made_builds_the_kernel_for_the_process_alone_and_leaves_no_folder(
+    kernel_rows, tmp_path):
   blocker = tmp_path / "a-file"
   blocker.write_text("not a folder")
-  done = _fresh_process({"XDG_CACHE_HOME": str(blocker)})
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  done = _fresh_process({"XDG_CACHE_HOME": str(blocker), "TMPDIR": str(scratch)})
   assert done.returncode == 0, done.stderr
   assert done.stdout.splitlines()[0] == "True"
   assert "erpo-jax:" not in done.stderr
+  assert not list(scratch.glob("erpo-jax-native-*"))  # the loaded library needs no file
