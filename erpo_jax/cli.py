@@ -10,6 +10,7 @@ import sys
 from erpo_jax import allocator, cli_logs
 from erpo_jax.cli_types import positive_float, positive_int, step_variants, temperature
 from erpo_jax.errors import USER_ERRNOS, NonFiniteError, UserError
+from erpo_jax.parallel import multihost
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -243,6 +244,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
   if argv is None:  # the command itself
     allocator.reexec_if_needed()
+  multihost.set_cpu_xla_threads()  # several CPU devices in XLA_FLAGS: enough threads for their collectives
   args = parse_args(argv)
   cli_logs.install()
   try:

@@ -269,12 +269,23 @@ def cpu_xla_threads(num_devices: int, cores: int | None = None) -> int:
 
 def cpu_device_env(env: Mapping[str, str], num_devices: int) -> dict[str, str]:
   """`env` for a process on `num_devices` CPU devices: JAX_PLATFORMS=cpu, the device count added to the
-  XLA_FLAGS it has (its other XLA flags kept), and PJRT_NPROC at `cpu_xla_threads` unless it sets more."""
+  XLA_FLAGS it has (its other XLA flags kept), and PJRT_NPROC at `cpu_xla_threads` unless `env` sets it."""
   flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
-  threads = cpu_xla_threads(num_devices)
-  if env.get("PJRT_NPROC", "").isdigit():
-    threads = max(threads, int(env["PJRT_NPROC"]))
-  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "PJRT_NPROC": str(threads)}
+  out = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+  set_cpu_xla_threads(out)
+  return out
+
+
+def set_cpu_xla_threads(environ=os.environ) -> int | None:
+  """Sets PJRT_NPROC to `cpu_xla_threads` in `environ` when its XLA_FLAGS ask for several CPU devices and it
+  sets no PJRT_NPROC of its own; returns the count set, else None. Call before JAX starts its backends (XLA
+  reads the variable once, when it makes its CPU client)."""
+  found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+  if not found or int(found[-1]) < 2 or environ.get("PJRT_NPROC"):
+    return None
+  threads = cpu_xla_threads(int(found[-1]))
+  environ["PJRT_NPROC"] = str(threads)
+  return threads
 
 
 def run_local_processes(argv: Sequence[str], num_processes: int, *, cpu_devices: int | None = None,

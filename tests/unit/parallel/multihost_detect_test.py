@@ -238,13 +238,20 @@ def test_run_local_processes_adds_the_device_count_to_the_callers_xla_flags(monk
       "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=3 cpu"] * 2
 
 
-def test_a_process_on_cpu_devices_gets_four_xla_threads_a_device_never_fewer_than_the_cores_or_its_own():
+def test_a_process_on_cpu_devices_gets_four_xla_threads_a_device_never_fewer_than_the_cores_unless_it_sets_them():
   assert multihost.cpu_xla_threads(8, cores=2) == 32
   assert multihost.cpu_xla_threads(8, cores=64) == 64
   base = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
   assert multihost.cpu_device_env(base, 8)["PJRT_NPROC"] == str(multihost.cpu_xla_threads(8))
-  assert multihost.cpu_device_env({**base, "PJRT_NPROC": "4"}, 8)["PJRT_NPROC"] == str(multihost.cpu_xla_threads(8))
   assert multihost.cpu_device_env({**base, "PJRT_NPROC": "200"}, 8)["PJRT_NPROC"] == "200"
+  # The command sets the same count in its own environment when XLA_FLAGS asks for several CPU devices.
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=3 --xla_backend_optimization_level=0"}
+  assert multihost.set_cpu_xla_threads(env) == multihost.cpu_xla_threads(3)
+  assert env["PJRT_NPROC"] == str(multihost.cpu_xla_threads(3))
+  for unchanged in ({}, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PJRT_NPROC": "5"}):
+    before = dict(unchanged)
+    assert multihost.set_cpu_xla_threads(unchanged) is None and unchanged == before
   # XLA's CPU client starts that many intra-op threads ("tf_XLAEigen"); its default would be max(cores, 8).
   script = ("import collections, os, jax, jax.numpy as jnp; x = jnp.ones((64, 64)); (x @ x).block_until_ready(); "
             "print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' "
@@ -253,3 +260,12 @@ def test_a_process_on_cpu_devices_gets_four_xla_threads_a_device_never_fewer_tha
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == [str(multihost.cpu_xla_threads(8)), "8"]
+
+
+def test_the_command_gives_the_cpu_devices_of_xla_flags_their_threads_before_jax_starts():
+  script = ("import os, sys\nfrom erpo_jax import cli\ntry:\n  cli.main(['no-such-command'])\nexcept SystemExit:\n"
+            "  pass\nprint(os.environ.get('PJRT_NPROC'), 'jax' in sys.modules)")
+  env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+  assert out.stdout.split() == [str(multihost.cpu_xla_threads(8)), "False"], out.stderr[-2000:]
