@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from erpo_jax.parallel import multihost
 
 SCRIPT = textwrap.dedent("""
@@ -38,6 +40,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# About 50 s beside the other CI worker; multihost_detect_test checks the thread count that prevents the stall.
+@pytest.mark.slow
 def test_two_busy_processes_of_fresh_sharded_updates_on_8_cpu_devices_finish_without_a_collective_stall():
   env = multihost.cpu_device_env(os.environ, 8)
   # A stall ends the process after 30 s instead of the suite's 120.
