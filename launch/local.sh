@@ -17,8 +17,7 @@ Runs erpo-jax train on this machine.
 Options:
   --config FILE       YAML config or a name in configs/ (default: the CLI's default)
   --cpu-devices N     run on CPU with N fake devices per process
-                      (XLA_FLAGS=--xla_force_host_platform_device_count=N, JAX_PLATFORMS=cpu,
-                      PJRT_NPROC=4N or the cores, whichever is more, unless set)
+                      (XLA_FLAGS=--xla_force_host_platform_device_count=N, JAX_PLATFORMS=cpu)
   --processes P       start P processes with a coordinator on 127.0.0.1 (CPU unless
                       JAX_PLATFORMS is set); each logs to LOG_DIR/process-<i>.log; exits
                       non-zero if any process fails, after stopping the others
@@ -99,14 +98,8 @@ fi
 
 envs=()
 if [[ -n $cpu_devices ]]; then
-  # 4 XLA client threads a device, never fewer than the cores, unless PJRT_NPROC is set: with XLA's default a
-  # device blocked in one collective can starve another of threads and stall the run (multihost.cpu_xla_threads).
-  threads=$((4 * cpu_devices))
-  cores=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  ((cores > threads)) && threads=$cores
-  [[ -n ${PJRT_NPROC:-} ]] && threads=$PJRT_NPROC
-  envs+=("XLA_FLAGS=${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$cpu_devices" "JAX_PLATFORMS=cpu"
-         "PJRT_NPROC=$threads")
+  # erpo-jax gives these devices their XLA threads itself (PJRT_NPROC, multihost.set_cpu_xla_threads).
+  envs+=("XLA_FLAGS=${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$cpu_devices" "JAX_PLATFORMS=cpu")
 elif ((processes > 1)) && [[ -z ${JAX_PLATFORMS:-} ]]; then
   # Several processes on one machine would all claim the same accelerators.
   envs+=("JAX_PLATFORMS=cpu")

@@ -9,15 +9,13 @@ import time
 
 import pytest
 
-from erpo_jax.parallel import multihost
-
 LAUNCH = pathlib.Path(__file__).resolve().parents[2] / "launch"
 SCRIPTS = ["local.sh", "gpu_slurm.sh", "tpu_pod.sh"]
 
 
 def _env(**extra):
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SLURM_", "ERPO_", "TPU_", "JAX_", "XLA_", "PJRT_"))}
+         if not k.startswith(("SLURM_", "ERPO_", "TPU_", "JAX_", "XLA_"))}
   env.update(extra)
   return env
 
@@ -79,7 +77,6 @@ def test_local_dry_run_sets_fake_cpu_devices():
   out = _run("local.sh", "--dry-run", "--cpu-devices", "8", "--config", "configs/tiny.yaml", "--", "train.steps=3")
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == ("+ env XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu "
-                                f"PJRT_NPROC={multihost.cpu_xla_threads(8)} "
                                 "erpo-jax train --config configs/tiny.yaml train.steps=3")
 
 
