@@ -103,7 +103,7 @@ def _load_rl(rec: dict, path: str) -> dict[str, Any]:
   return {"file": path, "framework": _mode(rec), "device": rec.get("platform"),
           "cpu_model": _text(rec.get("cpu_model")), "host_cpus": rec.get("host_cpus"),
           "isa": _text(rec.get("xla_max_isa") or rec.get("cpu_isa")), "allocator": _text(rec.get("allocator")),
-          "allocator_env": {}, "work_flops": _work(rec),
+          "allocator_env": {}, "freed_memory": _text(rec.get("freed_memory")), "work_flops": _work(rec),
           "figures": {"step_wall_s.median": number("step_s"), "generate_s.median": number("rollout_s"),
                       "ref_logps_fwd_s.median": number("reference_s"), "update_s.median": number("update_s"),
                       "peak_rss_mb": rss / 2 ** 20}}
@@ -130,10 +130,12 @@ def load_peer(path: str) -> dict[str, Any]:
                     f"got {type(summary).__name__}")
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
   cpu, isa, alloc = host.get("cpu_model"), host.get("torch_cpu_capability"), host.get("allocator")
+  alloc_env = host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {}
+  kept = alloc == "mimalloc" and str(alloc_env.get("MIMALLOC_PURGE_DELAY", "")).startswith("-")
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
           "cpu_model": _text(cpu), "host_cpus": host.get("cpus"), "isa": _text(isa),
           "allocator": _text(alloc),  # absent from summaries written before the harness recorded it
-          "allocator_env": host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {},
+          "allocator_env": alloc_env, "freed_memory": "kept" if kept else None,
           "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
 
 
@@ -188,9 +190,10 @@ def compare(rl: dict[str, Any], peer: dict[str, Any], cpu_model: str) -> dict[st
   return {"peer": peer["framework"], "erpo_jax_mode": _mode(rl) if "work_flops" in peer else "erpo-jax",
           "file": peer["file"], "ratios": ratios, "erpo_jax": ours, "peer_figures": theirs,
           "machine": {"erpo_jax": {"cpu_model": cpu_model, "platform": platform, "device_kind": kind, "isa": isa,
-                                   "allocator": ours_alloc},
+                                   "allocator": ours_alloc, "freed_memory": rl.get("freed_memory")},
                       "peer": {"cpu_model": peer["cpu_model"], "device": peer["device"], "cpus": peer["host_cpus"],
-                               "isa": peer["isa"], "allocator": peer_alloc, "allocator_env": peer["allocator_env"]}},
+                               "isa": peer["isa"], "allocator": peer_alloc, "allocator_env": peer["allocator_env"],
+                               "freed_memory": peer["freed_memory"]}},
           "warnings": warnings}
 
 
@@ -201,7 +204,8 @@ def report(rec: dict[str, Any]) -> list[str]:
                     if v is not None)
   m = rec["machine"]
   def on(side: dict[str, Any], device: str | None) -> str:
-    return ", ".join(x for x in (device or "unknown", side.get("isa"), side.get("allocator")) if x)
+    kept = "freed memory kept" if side.get("freed_memory") == "kept" else None
+    return ", ".join(x for x in (device or "unknown", side.get("isa"), side.get("allocator"), kept) if x)
 
   where = (f"{'this run' if own else 'erpo-jax'} on {m['erpo_jax']['cpu_model']} "
            f"({on(m['erpo_jax'], m['erpo_jax']['platform'])}), {'the earlier run' if own else rec['peer']} on "

@@ -83,7 +83,8 @@ def device_info() -> dict[str, Any]:
   return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
           "cpu_model": machine.cpu_model(), "cpu_isa": machine.cpu_isa(), "xla_max_isa": machine.xla_max_isa(),
           "host_cpus": os.cpu_count(), "allocator": allocator.in_use(),
-          "huge_pages": allocator.huge_pages(), "cpu_kernel": cpu_kernel.status()}
+          "huge_pages": allocator.huge_pages(), "freed_memory": allocator.freed_memory(),
+          "cpu_kernel": cpu_kernel.status()}
 
 
 def matmul_peak(n: int, dtype, *, iters: int = 10, warmup: int = 2) -> dict[str, float]:

@@ -81,7 +81,7 @@ def _first_step_line(step: int, t_start: float, t_step: float, t_end: float, com
   return (f"step {step} is this run's first: it ended {t_end - t_start:.1f} s after start (set-up "
           f"{t_step - t_start:.1f} s, the step {t_end - t_step:.1f} s; {compiling:.1f} s of "
           f"it XLA compiling or loading programs); {compile_cache.describe()}; "
-          f"host allocator {allocator.in_use()}"
+          f"host allocator {allocator.in_use()}, freed memory {allocator.freed_memory()}"
           + ("" if huge_pages is None else f", transparent huge pages {huge_pages}"))
 
 

@@ -42,7 +42,8 @@ PAGES_OF_THE_BUFFER = 30 * 2048 * 1536 * 4 // 4096  # 92,160 pages of 4 KiB
 
 def _environment_without_the_commands_settings() -> dict[str, str]:
   """This process's environment less what the command's re-execution sets, so a child gets its defaults."""
-  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", allocator.THP_ENV, "MIMALLOC_PURGE_DELAY")
+  unset = ("LD_PRELOAD", "ERPO_JAX_ALLOCATOR_REEXEC", allocator.THP_ENV, allocator.HOST_MEMORY_ENV,
+           *allocator.KEEP_SETTINGS)
   return {k: v for k, v in os.environ.items() if k not in unset}
 
 
@@ -193,3 +194,83 @@ def test_memory_mimalloc_keeps_after_frees_is_handed_back_on_release():
   assert mi["after"] < mi["held"] - 0.9 * gb, mi  # 1 GB handed back
   system = _retained("system")
   assert system["released"] == "none" and system["freed"] < system["held"] - 0.9 * gb, system
+
+
+def _mimalloc_options(env: dict) -> dict[str, str]:
+  """The options mimalloc reports (MIMALLOC_VERBOSE) in a process started with `env`."""
+  out = _python("pass", {**env, "MIMALLOC_VERBOSE": "1"})
+  return dict(re.findall(r"option '(\w+)': (-?\d+)", out.stderr))
+
+
+def test_keeping_freed_memory_is_rejected_in_one_line_where_erpo_jax_cannot_restart_on_mimalloc(monkeypatch):
+  keep = {allocator.HOST_MEMORY_ENV: "keep"}
+  with pytest.raises(ValueError, match="ERPO_JAX_HOST_MEMORY='forever': expected one of return, keep"):
+    allocator.preload_environment({allocator.HOST_MEMORY_ENV: "forever"})
+  with pytest.raises(ValueError, match=r"ERPO_JAX_HOST_MEMORY=keep needs erpo-jax to restart on mimalloc, but "
+                                       r"ERPO_JAX_ALLOCATOR=system asks for the C library's malloc; set "
+                                       r"ERPO_JAX_HOST_MEMORY=return, or preload mimalloc yourself with "
+                                       r"MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ARENA_RESERVE=4GiB "
+                                       r"MIMALLOC_ARENA_MAX_OBJECT_SIZE=8GiB"):
+    allocator.preload_environment({**keep, allocator.ENV: "system"})
+  with pytest.raises(ValueError, match=r"but LD_PRELOAD already holds an allocator \(/opt/libjemalloc.so\)"):
+    allocator.preload_environment({**keep, "LD_PRELOAD": "/opt/libjemalloc.so"})
+  assert allocator.preload_environment({**keep, "ERPO_JAX_ALLOCATOR_REEXEC": "1"}) is None  # the restarted process
+  monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
+  with pytest.raises(ValueError, match="but the mimalloc library is not installed"):
+    allocator.preload_environment(keep)
+  env = {**os.environ, allocator.HOST_MEMORY_ENV: "always"}
+  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--help"], env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines() == [
+      "erpo-jax: error: ERPO_JAX_HOST_MEMORY='always': expected one of return, keep"]
+
+
+@needs_mimalloc
+def test_keeping_freed_memory_turns_purging_off_in_arenas_that_hold_blocks_up_to_8_gib_unless_the_user_sets_them():
+  base = _environment_without_the_commands_settings()
+  keep = {**base, allocator.HOST_MEMORY_ENV: "keep"}
+  env = allocator.preload_environment(keep)
+  assert {k: v for k, v in env.items() if keep.get(k) != v} == {
+      "LD_PRELOAD": str(allocator.mimalloc_library()), "ERPO_JAX_ALLOCATOR_REEXEC": "1", "MIMALLOC_ALLOW_THP": "0",
+      "MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_RESERVE": "4GiB", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "8GiB"}
+  options = _mimalloc_options(env)
+  assert (options["purge_delay"], options["arena_reserve"], options["arena_max_object_size"]) == (
+      "-1", str(4 * 2**20), str(8 * 2**20))  # KiB
+  default = _mimalloc_options(allocator.preload_environment(base))
+  assert (default["purge_delay"], default["arena_max_object_size"]) == ("1000", str(2 * 2**20))
+  own = allocator.preload_environment({**keep, "MIMALLOC_PURGE_DELAY": "5000"})
+  assert own["MIMALLOC_PURGE_DELAY"] == "5000" and own["MIMALLOC_ARENA_RESERVE"] == "4GiB"
+
+
+# A 2.25 GiB block, above mimalloc's default arena_max_object_size (2 GiB), allocated, filled and freed three
+# times, as XLA does with the update's temporary buffer; the child prints the page faults of each round.
+LARGE_BLOCK = r"""
+import json, resource
+from erpo_jax import allocator
+allocator.reexec_if_needed()
+import numpy as np
+faults = []
+for _ in range(3):
+  r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  block = np.ones(9 * 2**28 // 4, np.float32)
+  del block
+  faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(json.dumps({"faults": faults, "freed_memory": allocator.freed_memory()}))
+"""
+
+
+@needs_mimalloc
+def test_a_block_above_2_gib_is_faulted_in_on_every_use_unless_freed_memory_is_kept():
+  pages = 9 * 2**28 // 4096  # 589,824
+  out = {}
+  for choice in ("return", "keep"):
+    env = _environment_without_the_commands_settings()
+    env[allocator.HOST_MEMORY_ENV] = choice
+    proc = subprocess.run([sys.executable, "-c", LARGE_BLOCK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[choice] = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["return"]["freed_memory"] == "returned" and out["keep"]["freed_memory"] == "kept"
+  assert all(f > 0.9 * pages for f in out["return"]["faults"]), out  # mapped anew and unmapped on every free
+  assert out["keep"]["faults"][0] > 0.9 * pages, out
+  assert all(f < 0.02 * pages for f in out["keep"]["faults"][1:]), out  # the same pages, reused

@@ -199,3 +199,19 @@ def test_a_failed_or_damaged_rl_record_is_one_error_naming_the_file_and_key(tmp_
   with pytest.raises(DataError) as e:
     peer.load_peer(path)
   assert str(e.value).startswith(f"--against '{path}': the rl record's ") and needle in str(e.value)
+
+
+def test_both_sides_say_when_their_mimalloc_kept_freed_memory(tmp_path):
+  kept = {**SUMMARY, "host": {**SUMMARY["host"], "allocator": "mimalloc",
+                              "allocator_env": {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"}}}
+  rec = peer.compare({**RL, "allocator": "mimalloc", "freed_memory": "returned"},
+                     peer.load_peer(_write(tmp_path, kept)), CPU)
+  line = peer.report(rec)[-1]
+  assert "(cpu, mimalloc), trl.GRPOTrainer on " in line and line.endswith("(cpu, mimalloc, freed memory kept)"), line
+  assert (rec["machine"]["erpo_jax"]["freed_memory"], rec["machine"]["peer"]["freed_memory"]) == ("returned", "kept")
+  returned = {**SUMMARY, "host": {**SUMMARY["host"], "allocator": "mimalloc", "allocator_env": {}}}
+  rec = peer.compare({**RL, "allocator": "mimalloc", "freed_memory": "kept"},
+                     peer.load_peer(_write(tmp_path, returned)), CPU)
+  line = peer.report(rec)[-1]
+  assert line.count("freed memory kept") == 1 and "erpo-jax on " in line, line
+  assert rec["machine"]["peer"]["freed_memory"] is None
