@@ -144,13 +144,15 @@ def test_mimalloc_asked_for_but_missing_and_a_bad_value_are_errors_naming_the_va
     allocator.preload_environment({allocator.ENV: "mimalloc"})
 
 
-def test_a_bad_allocator_choice_is_one_line_and_exit_code_2_from_the_command():
-  env = {**os.environ, allocator.ENV: "fast"}
+@pytest.mark.parametrize("variable, value, expected", [
+    (allocator.ENV, "fast", "ERPO_JAX_ALLOCATOR='fast': expected one of auto, mimalloc, system"),
+    (allocator.HOST_MEMORY_ENV, "always", "ERPO_JAX_HOST_MEMORY='always': expected one of return, keep")])
+def test_a_bad_allocator_choice_is_one_line_and_exit_code_2_from_the_command(variable, value, expected):
+  env = {**os.environ, variable: value}
   proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--help"], env=env, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 2 and proc.stdout == ""
-  assert proc.stderr.strip().splitlines() == [
-      "erpo-jax: error: ERPO_JAX_ALLOCATOR='fast': expected one of auto, mimalloc, system"]
+  assert proc.stderr.strip().splitlines() == [f"erpo-jax: error: {expected}"]
 
 
 # 40 freed host copies of 25 MB with small live allocations between them, as a checkpoint's write leaves them;
@@ -218,12 +220,6 @@ def test_keeping_freed_memory_is_rejected_in_one_line_where_erpo_jax_cannot_rest
   monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
   with pytest.raises(ValueError, match="but the mimalloc library is not installed"):
     allocator.preload_environment(keep)
-  env = {**os.environ, allocator.HOST_MEMORY_ENV: "always"}
-  proc = subprocess.run([sys.executable, "-m", "erpo_jax.cli", "train", "--help"], env=env, capture_output=True,
-                        text=True, timeout=120)
-  assert proc.returncode == 2 and proc.stdout == ""
-  assert proc.stderr.strip().splitlines() == [
-      "erpo-jax: error: ERPO_JAX_HOST_MEMORY='always': expected one of return, keep"]
 
 
 @needs_mimalloc
