@@ -143,8 +143,8 @@ def _runs_as_it_is(environ, why: str) -> None:
   """None (no re-execution) for `why`, or ValueError when ERPO_JAX_HOST_MEMORY=keep needed it."""
   if host_memory(environ) == "keep":
     raise ValueError(f"{HOST_MEMORY_ENV}=keep needs erpo-jax to restart on mimalloc, but {why}; set "
-                     f"{HOST_MEMORY_ENV}=return, or preload mimalloc yourself with "
-                     + " ".join(f"{k}={v}" for k, v in KEEP_SETTINGS.items()))
+                     f"{HOST_MEMORY_ENV}=return (with a mimalloc you preload yourself, "
+                     + " ".join(f"{k}={v}" for k, v in KEEP_SETTINGS.items()) + " do the same)")
 
 
 def preload_environment(environ=os.environ) -> dict[str, str] | None:

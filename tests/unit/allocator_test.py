@@ -210,9 +210,9 @@ def test_keeping_freed_memory_is_rejected_in_one_line_where_erpo_jax_cannot_rest
     allocator.preload_environment({allocator.HOST_MEMORY_ENV: "forever"})
   with pytest.raises(ValueError, match=r"ERPO_JAX_HOST_MEMORY=keep needs erpo-jax to restart on mimalloc, but "
                                        r"ERPO_JAX_ALLOCATOR=system asks for the C library's malloc; set "
-                                       r"ERPO_JAX_HOST_MEMORY=return, or preload mimalloc yourself with "
+                                       r"ERPO_JAX_HOST_MEMORY=return \(with a mimalloc you preload yourself, "
                                        r"MIMALLOC_PURGE_DELAY=-1 MIMALLOC_ARENA_RESERVE=4GiB "
-                                       r"MIMALLOC_ARENA_MAX_OBJECT_SIZE=8GiB"):
+                                       r"MIMALLOC_ARENA_MAX_OBJECT_SIZE=8GiB do the same\)$"):
     allocator.preload_environment({**keep, allocator.ENV: "system"})
   with pytest.raises(ValueError, match=r"but LD_PRELOAD already holds an allocator \(/opt/libjemalloc.so\)"):
     allocator.preload_environment({**keep, "LD_PRELOAD": "/opt/libjemalloc.so"})
