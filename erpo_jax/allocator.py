@@ -129,19 +129,20 @@ def host_memory(environ=os.environ) -> str:
   return value
 
 
-def freed_memory() -> str:
-  """'kept' when this process runs on mimalloc with purging off (ERPO_JAX_HOST_MEMORY=keep, or the
-  environment's MIMALLOC_PURGE_DELAY), 'returned' otherwise: to the kernel after mimalloc's delay, or on free."""
+def freed_memory(environ=os.environ, allocator: str | None = None) -> str:
+  """'kept' when a process on `allocator` (this one's: `in_use()`) with `environ` runs on mimalloc with purging
+  off (ERPO_JAX_HOST_MEMORY=keep, or its own MIMALLOC_PURGE_DELAY), 'returned' otherwise: to the kernel after
+  mimalloc's delay, or on free."""
   try:
-    delay = int(os.environ.get("MIMALLOC_PURGE_DELAY", "0"))
-  except ValueError:
+    delay = int(environ.get("MIMALLOC_PURGE_DELAY", "0"))
+  except (TypeError, ValueError):
     delay = 0
-  return "kept" if in_use() == "mimalloc" and delay < 0 else "returned"
+  return "kept" if (allocator or in_use()) == "mimalloc" and delay < 0 else "returned"
 
 
-def _runs_as_it_is(environ, why: str) -> None:
+def _runs_as_it_is(keep: bool, why: str) -> None:
   """None (no re-execution) for `why`, or ValueError when ERPO_JAX_HOST_MEMORY=keep needed it."""
-  if host_memory(environ) == "keep":
+  if keep:
     raise ValueError(f"{HOST_MEMORY_ENV}=keep needs erpo-jax to restart on mimalloc, but {why}; set "
                      f"{HOST_MEMORY_ENV}=return (with a mimalloc you preload yourself, "
                      + " ".join(f"{k}={v}" for k, v in KEEP_SETTINGS.items()) + " do the same)")
@@ -160,20 +161,20 @@ def preload_environment(environ=os.environ) -> dict[str, str] | None:
   if environ.get(_REEXECUTED):
     return None
   if want == "system":
-    return _runs_as_it_is(environ, f"{ENV}=system asks for the C library's malloc")
+    return _runs_as_it_is(keep, f"{ENV}=system asks for the C library's malloc")
   if not sys.platform.startswith("linux"):
     if want == "mimalloc":
       raise ValueError(f"{ENV}=mimalloc: preloading is for Linux only; set {ENV}=auto or system")
-    return _runs_as_it_is(environ, "preloading is for Linux only")
+    return _runs_as_it_is(keep, "preloading is for Linux only")
   preload = environ.get("LD_PRELOAD", "")
   if any(f"lib{name}" in preload for name in _KNOWN):
-    return _runs_as_it_is(environ, f"LD_PRELOAD already holds an allocator ({preload})")
+    return _runs_as_it_is(keep, f"LD_PRELOAD already holds an allocator ({preload})")
   lib = mimalloc_library()
   if lib is None:
     if want == "mimalloc":
       raise ValueError(f"{ENV}=mimalloc: the mimalloc library is not installed; install it with "
                        f"`python -m pip install cmeel-mimalloc` or set {ENV}=auto or system")
-    return _runs_as_it_is(environ, "the mimalloc library is not installed (`python -m pip install cmeel-mimalloc`)")
+    return _runs_as_it_is(keep, "the mimalloc library is not installed (`python -m pip install cmeel-mimalloc`)")
   env = dict(environ)
   env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
   env[_REEXECUTED] = "1"

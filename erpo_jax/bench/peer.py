@@ -28,6 +28,7 @@ import json
 import math
 from typing import Any
 
+from erpo_jax import allocator
 from erpo_jax.bench import machine
 from erpo_jax.errors import DataError, PathError
 
@@ -131,7 +132,7 @@ def load_peer(path: str) -> dict[str, Any]:
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
   cpu, isa, alloc = host.get("cpu_model"), host.get("torch_cpu_capability"), host.get("allocator")
   alloc_env = host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {}
-  kept = alloc == "mimalloc" and str(alloc_env.get("MIMALLOC_PURGE_DELAY", "")).startswith("-")
+  kept = alloc == "mimalloc" and allocator.freed_memory(alloc_env, alloc) == "kept"
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
           "cpu_model": _text(cpu), "host_cpus": host.get("cpus"), "isa": _text(isa),
           "allocator": _text(alloc),  # absent from summaries written before the harness recorded it
