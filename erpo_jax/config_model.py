@@ -67,8 +67,14 @@ class ModelSection:
   # the responses of a group whose rewards are all equal (advantage 0: no loss term reads them) run forward
   # only, for the metrics, in a stream of their own; the backward covers the other groups. Same update.
   forward_only_uniform_groups: bool = True
+  # With packed responses: a batch whose capacity has no compiled update program yet runs on a larger one the run
+  # has compiled until the extra slots so run add up to this many whole-batch updates; then its own compiles
+  # (train/programs.py). 0: each capacity compiles when first met.
+  compile_after_padding: float = 1.0
 
   def __post_init__(self):
     check_field(bool(self.path), "model.path", "a model path, 'builtin:smollm2-135m-instruct' or 'random'", self.path)
+    check_field(0 <= self.compile_after_padding < math.inf, "model.compile_after_padding",
+                "a finite number >= 0 (whole-batch updates)", self.compile_after_padding)
     check_field(self.logits_chunk == "auto" or self.logits_chunk >= 1, "model.logits_chunk",
                 "a positive integer or 'auto'", self.logits_chunk)

@@ -31,6 +31,7 @@ class RestoredState:
   rng_key: jax.Array
   data_state: dict  # this process's data-iterator state
   config_text: str  # the resolved config the run was saved with
+  programs: dict | None = None  # train/programs.py's state (None in checkpoints written before it)
 
 
 def model_fingerprint(model_cfg, tokenizer_fingerprint: str = "") -> str:
@@ -78,7 +79,7 @@ class Checkpointer:
     return self.every > 0 and step % self.every == 0
 
   def save(self, step: int, *, params, opt_state, rng_key: jax.Array, data_state: dict, config_text: str,
-           force: bool = False) -> bool:
+           force: bool = False, programs: dict | None = None) -> bool:
     """Starts writing checkpoint `step` when `should_save(step)` or `force`; returns whether it did.
 
     Raises NonFiniteError if params or optimizer state hold NaN/Inf, and
@@ -95,6 +96,8 @@ class Checkpointer:
             "leaves": {k: len(jax.tree.leaves(t)) for k, t in trees.items()},
             "checksums": {k: [[str(x.dtype), c] for x, c in zip(jax.tree.leaves(t), checksums[k])]
                           for k, t in trees.items()}}
+    if programs is not None:
+      meta["programs"] = programs
     # Orbax refuses trees without leaves (optax.sgd's state); they hold nothing to save.
     items = {k: ocp.args.StandardSave(t) for k, t in trees.items() if jax.tree.leaves(t)}
     args = ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta), data=cio.DataStateSave(data_state))
@@ -181,7 +184,8 @@ class Checkpointer:
         raise cio.CheckpointDamagedError(f"checkpoint {where}: {k} array '{bad}' differs from its saved checksum")
     restored = {k: cio.like(t, out[k]) if k in items else t for k, t in targets.items()}
     return RestoredState(step=step, params=restored["params"], opt_state=restored["opt_state"],
-                         rng_key=cio.key_from_json(meta["rng"]), data_state=out.data, config_text=meta["config"])
+                         rng_key=cio.key_from_json(meta["rng"]), data_state=out.data, config_text=meta["config"],
+                         programs=meta.get("programs"))
 
   def restore_latest_intact(self, *, params_target, opt_state_target, warn=None) -> RestoredState | None:
     """Restores the newest checkpoint that is complete and matches its checksums; None when there is none.

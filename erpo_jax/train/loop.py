@@ -35,7 +35,7 @@ from erpo_jax.reward.shaping import overlong_penalty
 from erpo_jax.reward.verifier import RewardResult, Verifier
 from erpo_jax.rollout.sampler import Sampler, response_texts
 from erpo_jax.train import checkpoint_io as cio
-from erpo_jax.train import dynamic_sampling, optim
+from erpo_jax.train import dynamic_sampling, optim, programs as programs_lib
 from erpo_jax.train import step as train_step
 from erpo_jax.train.batch import assemble_batch, rollout_metrics, to_host
 from erpo_jax.train.packing import response_capacity
@@ -124,7 +124,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
 
   # --- resume
   ckpt = Checkpointer(run_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-                      async_save=cfg.checkpoint.async_save, fingerprint=model_fingerprint(model.cfg, tokenizer.fingerprint()))
+                      async_save=cfg.checkpoint.async_save,
+                      fingerprint=model_fingerprint(model.cfg, tokenizer.fingerprint()))
   start = 0
   restored = ckpt.restore_latest_intact(params_target=params, opt_state_target=opt_state, warn=multihost.warn)
   if restored is not None:
@@ -133,6 +134,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
     params, opt_state, start = restored.params, restored.opt_state, restored.step
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")
+  programs = programs_lib.Programs(cfg.model.compile_after_padding, restored and restored.programs)
   # After the checkpoint's model check (a run resumed with another model is told so, not that its cache is stale).
   ref_cache = None
   if cfg.erpo.weights == "static" or not forward:
@@ -165,7 +167,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
           hooks.refill(step, round_)
         t_round = time.perf_counter()
         batch = next(data)
-        # The sampler gathers every process's prompts into one global batch (group ids count over all of them).
+        # The sampler gathers every process's prompts into one global batch.
         roll = sampler.generate(params, batch.prompt_tokens, group_size=G,
                                 key=jax.random.fold_in(step_key, round_) if round_ else step_key)
         host = to_host(roll)
@@ -209,7 +211,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
       prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update, prompt_bucket,
-                                               response_capacity(cfg, host, mesh, rewards_N))
+                                               response_capacity(cfg, host, mesh, rewards_N, programs, prompt_bucket))
       finite = bool(dev_metrics["optim/finite"])
       t4 = time.perf_counter()
       faults4, system4 = allocator.process_usage()
@@ -254,9 +256,9 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
         stop = bool(transfer.allgather_rows(np.array([stop])).any())
       if ckpt.should_save(step) or step == cfg.train.steps or stop:
         # save's one pass over each tree checks finiteness beside its checksums. Weights that are not finite
-        # stop the run here (NonFiniteError, exit 3) whatever train.skip_nonfinite says: no update mends them.
+        # stop the run here (NonFiniteError, exit 3) whatever train.skip_nonfinite says.
         ckpt.save(step, params=params, opt_state=opt_state, rng_key=base_key, data_state=data.get_state(),
-                  config_text=dump_config(cfg), force=True)
+                  config_text=dump_config(cfg), force=True, programs=programs.state())
       if stop:
         multihost.log(f"SIGTERM: saved step {step}; resume with the same command")
         break

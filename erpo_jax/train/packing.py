@@ -53,13 +53,15 @@ def forward_only_rows(rewards_N, len_N, group_size: int, streams: int, capacity:
   return uniform_N & (xp.cumsum(tokens_SxN, axis=1).reshape(-1) <= capacity)
 
 
-def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None) -> int | SplitCapacity | None:
+def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None, programs=None,
+                      prompt_bucket: int | None = None) -> int | SplitCapacity | None:
   """Static slots of each packed response stream (all processes agree), or None: no packing.
 
   Packing runs on one minibatch (a stream crosses rows) and on batch shards
   that hold whole groups: one stream per shard (`logprobs.packed_streams`),
   each with the slots the fullest stream needs. Given this process's rewards (`h`'s rows), and where
-  `forward_only_applies`, a batch with uniform groups may get a SplitCapacity (`capacity_of`).
+  `forward_only_applies`, a batch with uniform groups may get a SplitCapacity (`capacity_of`). Given the run's
+  `programs.Programs`, a larger capacity it has compiled may stand in (`Programs.choose`).
   """
   if not (cfg.model.shared_prefix and cfg.model.pack_responses and cfg.ppo.minibatches * cfg.ppo.microbatches == 1):
     return None
@@ -72,7 +74,8 @@ def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None) -> int 
     rewards_N = transfer.allgather_rows(np.asarray(rewards_N, np.float32)[:, None])[:, 0]
   else:
     rewards_N = None
-  return capacity_of(len_N, rewards_N, G, streams, R)
+  needed = capacity_of(len_N, rewards_N, G, streams, R)
+  return needed if programs is None else programs.choose(prompt_bucket, needed, len_N, rewards_N, G, streams, R)
 
 
 def capacity_of(len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int, streams: int,

@@ -65,6 +65,9 @@ def _assert_bit_equal(a, b):
     np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
+PROGRAMS = {"compiled": [[48, [1024, 256, 800]], [48, 1024]], "padded": [[48, 640, 1152]]}  # train/programs.py
+
+
 def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
   params = _params(0)
   opt = optax.adamw(1e-2)
@@ -80,11 +83,11 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
   params = {**params, **trained}  # non-trivial params, mu, nu and count = 1
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
     assert _save(c, 1, params, state, rng_key=key, data_state={"next": 12, "epoch": [0, 1]},
-                 config_text="erpo:\n  alpha: 0.01\n")
+                 config_text="erpo:\n  alpha: 0.01\n", programs=PROGRAMS)
   with ck.Checkpointer(tmp_path, every=1, keep=2, fingerprint=FP) as c:
     targets = jax.tree.map(jnp.zeros_like, (params, state))
     r = c.restore(params_target=targets[0], opt_state_target=targets[1])
-  assert r.step == 1
+  assert r.step == 1 and r.programs == PROGRAMS
   _assert_bit_equal(r.params, params)
   _assert_bit_equal(r.opt_state, state)
   assert jax.random.key_impl(r.rng_key) == jax.random.key_impl(key)
