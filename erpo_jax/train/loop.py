@@ -135,7 +135,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
     data.set_state(restored.data_state)
     multihost.log(f"resumed from {run_dir}/checkpoints at step {start}")
   programs = programs_lib.Programs(cfg.model.compile_after_padding, restored and restored.programs)
-  # After the checkpoint's model check (a run resumed with another model is told so, not that its cache is stale).
+  # After the checkpoint's model check (a run resumed with another model is told that, not of a stale cache).
   ref_cache = None
   if cfg.erpo.weights == "static" or not forward:
     ref_cache = ensure_reference_cache(cfg, model, tokenizer, mesh=mesh)
@@ -186,8 +186,8 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                       pad_id=sampler.pad_id, all_full=transfer.all_processes)
         sampling = dynamic_sampling.finalize(dynamic_sampling.sum_over_processes(counts))
       batch, host, texts, scored = drawn.batch, drawn.host, drawn.texts, drawn.scored
-      # What the advantages see: the verifier's reward (the one dynamic sampling filters on, as DAPO filters
-      # on accuracy) plus DAPO's overlong shaping.
+      # What the advantages see: the verifier's reward (dynamic sampling filters on it, as DAPO on accuracy)
+      # plus DAPO's overlong shaping.
       penalty_N = overlong_penalty(host.response_len, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer,
                                    cfg.reward.overlong_penalty)
       rewards_N = scored.rewards + penalty_N
@@ -208,7 +208,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
                                                           or step == cfg.train.steps)
       update = assemble_batch(host, rewards_N, np.asarray(batch.index), G, ref_cache, mesh,
                               batch.question_masks if cfg.erpo.query_span == "question" else None, want_policy_kl)
-      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (the widest round's)
+      prompt_bucket = host.tokens.shape[1] - cfg.rollout.max_new_tokens  # the sampler's (widest round's)
       t3 = time.perf_counter()
       params, opt_state, dev_metrics = step_fn(params, opt_state, ref_params, update, prompt_bucket,
                                                response_capacity(cfg, host, mesh, rewards_N, programs, prompt_bucket))
@@ -237,7 +237,7 @@ def _train(cfg: Config, run_dir: pathlib.Path, allow_config_change: bool, hooks:
           del last["kl/policy"]  # this step ran no reference forward
         last.update(rollout_metrics(host, rewards_N, scored.correct, t4 - t0, scored.timeouts, scored.crashes,
                                     penalty_N))
-        last.update(sampling)
+        last.update({**sampling, **programs.metrics()})
         last.update({"time/rollout": seconds["rollout"], "time/reward": seconds["reward"], "time/reference": t3 - t2,
                      "time/checkpoint_wait": t2 - t_wait, "time/update": t4 - t3, "time/step": t4 - t0,
                      "time/compile": compile4 - compile0,  # of the phases' time, for programs first met

@@ -64,6 +64,7 @@ class Programs:
     self.budget = float(compile_after_padding)  # whole-batch updates of padded work per compile
     self.compiled: list[tuple[int | None, int | SplitCapacity]] = []
     self.padded: dict[tuple[int | None, int | SplitCapacity], int] = {}
+    self.last: dict[str, float] = {}
     if state:
       self.compiled = [(pb, _from_json(c)) for pb, c in state["compiled"]]
       self.padded = {(pb, _from_json(c)): int(units) for pb, c, units in state["padded"]}
@@ -78,19 +79,25 @@ class Programs:
     """The capacity the step runs for a batch that needs `needed`: a compiled one that holds the batch at no
     more cost, else the cheapest compiled one that holds it while the padding counted for `needed` stays under
     the budget, else `needed` (compiled now)."""
-    key = (prompt_bucket, needed)
-    if self.budget <= 0 or key in self.compiled:  # 0: each capacity compiled when first met
-      return needed
-    holding = [c for pb, c in self.compiled if pb == prompt_bucket and fits(c, len_N, rewards_N, group_size, streams)]
-    if holding:
-      best = min(holding, key=cost)  # the first compiled among equal costs
-      extra = cost(best) - cost(needed)
-      slots = len(len_N) // streams * max_new_tokens
-      if extra <= 0:
-        return best
-      if self.padded.get(key, 0) + extra < self.budget * cost(slots):
-        self.padded[key] = self.padded.get(key, 0) + extra
-        return best
-    self.compiled.append(key)
-    self.padded.pop(key, None)
-    return needed
+    key, chosen = (prompt_bucket, needed), needed
+    if self.budget > 0 and key not in self.compiled:  # budget 0: each capacity compiled when first met
+      holding = [c for pb, c in self.compiled
+                 if pb == prompt_bucket and fits(c, len_N, rewards_N, group_size, streams)]
+      if holding:
+        best = min(holding, key=cost)  # the first compiled among equal costs
+        extra = cost(best) - cost(needed)
+        if extra <= 0 or self.padded.get(key, 0) + extra < self.budget * cost(len(len_N) // streams * max_new_tokens):
+          chosen = best
+          if extra > 0:
+            self.padded[key] = self.padded.get(key, 0) + extra
+    if chosen == needed and key not in self.compiled:
+      self.compiled.append(key)
+      self.padded.pop(key, None)
+    self.last = {"perf/padded_share": max(0.0, 1 - cost(needed) / cost(chosen)),
+                 "perf/update_programs": float(len(self.compiled))}
+    return chosen
+
+  def metrics(self) -> dict[str, float]:
+    """Of the last choice: the share of its streams' work on slots beyond the batch's own capacity, and how many
+    update programs the run has compiled (those a resumed run's checkpoint lists included); {} before any."""
+    return dict(self.last)

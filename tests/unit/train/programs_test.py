@@ -12,6 +12,7 @@ import pytest
 import tiny_runs
 
 from erpo_jax.config_io import load_config
+from erpo_jax.metrics import read_jsonl
 from erpo_jax.train import packing
 from erpo_jax.train.loop import Hooks, train
 from erpo_jax.train.packing import SplitCapacity
@@ -44,11 +45,14 @@ def test_a_smaller_batch_runs_on_a_larger_compiled_capacity_until_its_padding_ad
   needed, got = choose(programs, *batch([32, 32, 32, 32]))
   assert needed == got == 1024 and programs.compiled == [(48, 1024)]
   # 640 slots needed: 1024 stands in, 3 * 384 units of padding each time; the budget is 3 * 1024 units.
+  assert programs.metrics() == {"perf/padded_share": 0.0, "perf/update_programs": 1.0}
   for padded in (1152, 2304):
     needed, got = choose(programs, *batch([20, 20, 20, 20]))
     assert (needed, got) == (640, 1024) and programs.padded == {(48, 640): padded}
+    assert programs.metrics() == {"perf/padded_share": 1 - 640 / 1024, "perf/update_programs": 1.0}
   needed, got = choose(programs, *batch([20, 20, 20, 20]))  # 3456 >= 3072: 640 compiles now
   assert needed == got == 640 and programs.compiled == [(48, 1024), (48, 640)] and programs.padded == {}
+  assert programs.metrics() == {"perf/padded_share": 0.0, "perf/update_programs": 2.0}
   assert choose(programs, *batch([20, 20, 20, 20])) == (640, 640)
   # 768 needed: 1024 is the only compiled capacity that holds it.
   assert choose(programs, *batch([24, 24, 24, 24])) == (768, 1024)
@@ -155,6 +159,9 @@ def test_a_run_resumed_from_a_checkpoint_chooses_the_programs_of_the_uninterrupt
   train(_cfg(tmp_path / "full", 5.0), hooks=Hooks(scored=_lengths_fall))
   full = _programs(tmp_path / "full", 4)
   assert full["padded"], full  # a compiled capacity stood in for one not compiled
+  rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+  assert [r["perf/update_programs"] for r in rows] == [1, 1, 1, 1]
+  assert rows[0]["perf/padded_share"] == 0 and all(0 < r["perf/padded_share"] < 0.5 for r in rows[1:])
 
   def crash(step, scored):
     if step == 3:
