@@ -7,7 +7,9 @@ the run meets it: about one update's time on a CPU, far more than an update on a
 as a run trains, so capacities keep falling, and each fall used to compile a program. Here a batch whose capacity
 has no program yet runs on a larger one the run has compiled, when one holds it; the extra slots it so runs are
 counted per missing capacity, and once they add up to `model.compile_after_padding` whole-batch updates that
-capacity is compiled (rent or buy: padding plus compiling stay within about twice the cost of foreseeing the run).
+capacity is compiled (rent or buy: for each capacity, the padding and the compile together cost at most about
+twice what knowing the rest of the run would have spent, with a trained slot at three forward slots and one
+compile at that many whole-batch updates).
 A capacity compiled is never dropped; the programs compiled are a subset of those the capacity-per-batch rule
 compiles. Padded slots are masked: the update is the same up to the order of its float sums.
 
