@@ -53,6 +53,8 @@ def summarize_steps(rows: list[dict], warmup: int) -> dict[str, Any]:
     out[k.replace("time/", "") + "_s"] = bench_probe.median(vals) if vals else None
   out["step_times_s"] = [r["time/step"] for r in timed]
   out["compile_s_per_step"] = [r.get("time/compile", 0.0) for r in timed]
+  # The share of each update's response work on slots a larger compiled capacity padded (train/programs.py).
+  out["padded_share_per_step"] = [r.get("perf/padded_share", 0.0) for r in timed]
   out["warmup_step_times_s"] = [r["time/step"] for r in rows if r["step"] <= warmup]
   # From train()'s start to the end of step 1: set-up and compilation (cold or warm compilation cache).
   out["to_first_step_s"] = rows[0].get("time/to_first_step") if rows else None

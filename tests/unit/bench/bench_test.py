@@ -215,11 +215,12 @@ def test_rl_summary_leaves_out_the_warmup_steps():
 def test_rl_timed_steps_that_compiled_are_listed_and_warned_about():
   rows = [{"step": 1, "time/step": 30.0, "time/compile": 20.0},
           {"step": 2, "time/step": 9.0, "time/compile": 4.5},  # a response capacity first met after the warm-up
-          {"step": 3, "time/step": 5.0, "time/compile": 0.0},
+          {"step": 3, "time/step": 5.0, "time/compile": 0.0, "perf/padded_share": 0.25},  # on a larger program
           {"step": 4, "time/step": 5.5, "time/compile": 0.05},  # an eager op or two: not worth a word
           {"step": 5, "time/step": 4.0}]  # logged before steps timed their compiling
   out = bench_rl.summarize_steps(rows, warmup=1)
   assert out["compile_s_per_step"] == [4.5, 0.0, 0.05, 0.0]
+  assert out["padded_share_per_step"] == [0.0, 0.25, 0.0, 0.0]
   assert bench_rl.compile_warning(out) == (
       "warning: bench rl: 1 of 4 timed steps compiled programs first met there (step 2 4.5 s) and their times "
       "include it; the compilation cache loads them next time: run the bench again, or give it more --warmup steps")
