@@ -130,14 +130,36 @@ def host_memory(environ=os.environ) -> str:
 
 
 def freed_memory(environ=os.environ, allocator: str | None = None) -> str:
-  """'kept' when a process on `allocator` (this one's: `in_use()`) with `environ` runs on mimalloc with purging
-  off (ERPO_JAX_HOST_MEMORY=keep, or its own MIMALLOC_PURGE_DELAY), 'returned' otherwise: to the kernel after
+  """'kept (blocks up to <size>)' when a process on `allocator` (this one's: `in_use()`) with `environ` runs on
+  mimalloc with purging off (ERPO_JAX_HOST_MEMORY=keep, or its own MIMALLOC_PURGE_DELAY): mimalloc keeps freed
+  blocks up to its arena_max_object_size and unmaps larger ones on free. 'returned' otherwise: to the kernel after
   mimalloc's delay, or on free."""
   try:
     delay = int(environ.get("MIMALLOC_PURGE_DELAY", "0"))
   except (TypeError, ValueError):
     delay = 0
-  return "kept" if (allocator or in_use()) == "mimalloc" and delay < 0 else "returned"
+  if (allocator or in_use()) != "mimalloc" or delay >= 0:
+    return "returned"
+  kib = _mimalloc_kib(environ.get("MIMALLOC_ARENA_MAX_OBJECT_SIZE"))
+  kib = _ARENA_MAX_OBJECT_KIB if kib is None else kib
+  shown = f"{kib >> 20} GiB" if kib % 2**20 == 0 else f"{kib >> 10} MiB" if kib % 2**10 == 0 else f"{kib} KiB"
+  return f"kept (blocks up to {shown})"
+
+
+_ARENA_MAX_OBJECT_KIB = 2**21  # mimalloc's arena_max_object_size on 64-bit unless set: 2 GiB
+_MIMALLOC_SIZE = re.compile(r"\s*([+-]?\d+)?([KMGT])?(IB|B)?")
+
+
+def _mimalloc_kib(value: str | None) -> int | None:
+  """A mimalloc size setting in KiB as mimalloc reads it (bytes without a suffix, rounded up; K, M, G, T with an
+  optional B or iB, any case), or None where it keeps its default (unset, or a value it rejects)."""
+  if value is None:
+    return None
+  m = _MIMALLOC_SIZE.fullmatch(value.upper() or "1")  # an empty value reads as 1
+  if not m:
+    return None
+  number, unit = max(int(m.group(1) or 0), 0), m.group(2)
+  return -(-number // 1024) if unit is None else number << {"K": 0, "M": 10, "G": 20, "T": 30}[unit]
 
 
 def _runs_as_it_is(keep: bool, why: str) -> None:

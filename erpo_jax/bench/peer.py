@@ -132,11 +132,11 @@ def load_peer(path: str) -> dict[str, Any]:
   host = summary.get("host") if isinstance(summary.get("host"), dict) else {}
   cpu, isa, alloc = host.get("cpu_model"), host.get("torch_cpu_capability"), host.get("allocator")
   alloc_env = host.get("allocator_env") if isinstance(host.get("allocator_env"), dict) else {}
-  kept = alloc == "mimalloc" and allocator.freed_memory(alloc_env, alloc) == "kept"
+  freed = allocator.freed_memory(alloc_env, alloc) if alloc == "mimalloc" else None
   return {"file": path, "framework": str(summary.get("framework", "peer")), "device": summary.get("device"),
           "cpu_model": _text(cpu), "host_cpus": host.get("cpus"), "isa": _text(isa),
           "allocator": _text(alloc),  # absent from summaries written before the harness recorded it
-          "allocator_env": alloc_env, "freed_memory": "kept" if kept else None,
+          "allocator_env": alloc_env, "freed_memory": freed if freed != "returned" else None,
           "figures": {k: _figure(summary, k, path) for k in PEER_KEYS}}
 
 
@@ -205,7 +205,8 @@ def report(rec: dict[str, Any]) -> list[str]:
                     if v is not None)
   m = rec["machine"]
   def on(side: dict[str, Any], device: str | None) -> str:
-    kept = "freed memory kept" if side.get("freed_memory") == "kept" else None
+    freed = str(side.get("freed_memory") or "")
+    kept = f"freed memory {freed}" if freed.startswith("kept") else None
     return ", ".join(x for x in (device or "unknown", side.get("isa"), side.get("allocator"), kept) if x)
 
   where = (f"{'this run' if own else 'erpo-jax'} on {m['erpo_jax']['cpu_model']} "

@@ -266,7 +266,33 @@ def test_a_block_above_2_gib_is_faulted_in_on_every_use_unless_freed_memory_is_k
     proc = subprocess.run([sys.executable, "-c", LARGE_BLOCK], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out[choice] = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert out["return"]["freed_memory"] == "returned" and out["keep"]["freed_memory"] == "kept"
+  assert out["return"]["freed_memory"] == "returned" and out["keep"]["freed_memory"] == "kept (blocks up to 8 GiB)"
   assert all(f > 0.9 * pages for f in out["return"]["faults"]), out  # mapped anew and unmapped on every free
   assert out["keep"]["faults"][0] > 0.9 * pages, out
   assert all(f < 0.02 * pages for f in out["keep"]["faults"][1:]), out  # the same pages, reused
+
+
+SIZES = ["8GiB", "3g", "4194304", "1024K", "2MB", "1025", " 7G", "lots", "1.5G", "7GiBx", "-5", "0"]
+
+
+@needs_mimalloc
+def test_freed_memory_names_the_largest_block_mimalloc_keeps_as_mimalloc_itself_reads_the_setting():
+  """Purging off, mimalloc keeps freed blocks up to its arena_max_object_size and unmaps larger ones on free:
+  the report gives that size, read as MIMALLOC_VERBOSE says mimalloc read it (a value it rejects leaves 2 GiB)."""
+  for value in [None, *SIZES]:
+    env = {**_environment_without_the_commands_settings(), "LD_PRELOAD": str(allocator.mimalloc_library()),
+           "MIMALLOC_VERBOSE": "1", "MIMALLOC_PURGE_DELAY": "-1"}
+    if value is not None:
+      env["MIMALLOC_ARENA_MAX_OBJECT_SIZE"] = value
+    proc = subprocess.run([sys.executable, "-c", "pass"], env=env, capture_output=True, text=True, timeout=60)
+    kib = int(re.search(r"option 'arena_max_object_size': (\d+) KiB", proc.stderr).group(1))
+    shown = f"{kib >> 20} GiB" if kib % 2**20 == 0 else f"{kib >> 10} MiB" if kib % 2**10 == 0 else f"{kib} KiB"
+    assert allocator.freed_memory(env, "mimalloc") == f"kept (blocks up to {shown})", (value, kib)
+
+
+def test_freed_memory_is_returned_unless_mimalloc_runs_with_purging_off():
+  assert allocator.freed_memory({"MIMALLOC_PURGE_DELAY": "-1"}, "mimalloc") == "kept (blocks up to 2 GiB)"
+  assert allocator.freed_memory(dict(allocator.KEEP_SETTINGS), "mimalloc") == "kept (blocks up to 8 GiB)"
+  for environ, alloc in [({"MIMALLOC_PURGE_DELAY": "-1"}, "system"), ({"MIMALLOC_PURGE_DELAY": "1000"}, "mimalloc"),
+                         ({"MIMALLOC_PURGE_DELAY": "abc"}, "mimalloc"), ({}, "mimalloc")]:
+    assert allocator.freed_memory(environ, alloc) == "returned"

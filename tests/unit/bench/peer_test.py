@@ -207,10 +207,12 @@ def test_both_sides_say_when_their_mimalloc_kept_freed_memory(tmp_path):
   rec = peer.compare({**RL, "allocator": "mimalloc", "freed_memory": "returned"},
                      peer.load_peer(_write(tmp_path, kept)), CPU)
   line = peer.report(rec)[-1]
-  assert "(cpu, mimalloc), trl.GRPOTrainer on " in line and line.endswith("(cpu, mimalloc, freed memory kept)"), line
-  assert (rec["machine"]["erpo_jax"]["freed_memory"], rec["machine"]["peer"]["freed_memory"]) == ("returned", "kept")
+  assert "(cpu, mimalloc), trl.GRPOTrainer on " in line, line
+  assert line.endswith("(cpu, mimalloc, freed memory kept (blocks up to 2 GiB))"), line
+  assert (rec["machine"]["erpo_jax"]["freed_memory"], rec["machine"]["peer"]["freed_memory"]) == (
+      "returned", "kept (blocks up to 2 GiB)")
   returned = {**SUMMARY, "host": {**SUMMARY["host"], "allocator": "mimalloc", "allocator_env": {}}}
-  rec = peer.compare({**RL, "allocator": "mimalloc", "freed_memory": "kept"},
+  rec = peer.compare({**RL, "allocator": "mimalloc", "freed_memory": "kept (blocks up to 8 GiB)"},
                      peer.load_peer(_write(tmp_path, returned)), CPU)
   line = peer.report(rec)[-1]
   assert line.count("freed memory kept") == 1 and "erpo-jax on " in line, line
