@@ -18,7 +18,7 @@ from erpo_jax.bench import rl as bench_rl
 from erpo_jax.bench import step as bench_step
 from erpo_jax.bench.rollout import NoStopTokens
 from erpo_jax.config_io import dump_config, load_config
-from erpo_jax.model import llama
+from erpo_jax.model import llama, lm_head
 from erpo_jax.model.io import loading
 from erpo_jax.model.config import ModelConfig
 from erpo_jax.rollout.sampler import Sampler
@@ -251,15 +251,21 @@ def _step_temp_bytes(vocab: int, *, B: int = 4, G: int = 4, P: int = 16, M: int 
 
 
 @pytest.mark.slow
-def test_step_scratch_memory_grows_with_rows_times_length_not_with_vocab():
+def test_step_scratch_memory_grows_with_rows_times_length_and_with_vocab_only_by_the_kept_logits(monkeypatch):
   small_v, big_v = 4096, 65536
+  # Materialising [N, S, V] float32 logits would add N*S*(V2 - V1)*4 = 4096 * 61440 * 4 = 1.0 GB of scratch.
+  monkeypatch.setattr(lm_head, "KEPT_LOGITS_BYTES", -1)  # every chunk's logits recomputed in the backward
   temp_small, NS = _step_temp_bytes(small_v)
   temp_big, NS_big = _step_temp_bytes(big_v)
   assert NS == NS_big == 16 * 256
-  # Materialising [N, S, V] float32 logits would add N*S*(V2 - V1)*4 = 4096 * 61440 * 4 = 1.0 GB of scratch.
   logits_growth = NS * (big_v - small_v) * 4
   # What does grow with V: the [V, D] embedding's gradient and optimizer temporaries, and [C, V] chunks.
   assert temp_big - temp_small < 0.1 * logits_growth, (temp_small, temp_big, logits_growth)
+  # The lm-head keeps the chunks' logits for its backward while they fit its bound (1 GiB): no more than that.
+  monkeypatch.undo()
+  temp_kept, _ = _step_temp_bytes(big_v)
+  assert NS * big_v * 4 <= lm_head.KEPT_LOGITS_BYTES and 0.9 * NS * big_v * 4 < temp_kept - temp_big
+  assert temp_kept - temp_big < lm_head.KEPT_LOGITS_BYTES + 0.1 * logits_growth, (temp_big, temp_kept)
   # Doubling the rows doubles activations: scratch grows with N*S.
   temp_rows, NS_rows = _step_temp_bytes(small_v, B=8)
   assert NS_rows == 2 * NS and temp_rows > temp_small
