@@ -17,14 +17,12 @@ turns them into floors at the matmul peak.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import shutil
 import sys
-import tempfile
 from typing import Any
 
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
+from erpo_jax.bench import scratch
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
 from erpo_jax.model.io.loading import model_config
 from erpo_jax.train.packing import forward_only_applies
@@ -99,12 +97,9 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Median per-phase step times of `iters` real training steps after `warmup`, and peak RSS."""
 
   window = bench_probe.host_window()
-  run_dir = tempfile.mkdtemp(prefix="erpo-bench-rl-")
-  try:
-    train(bench_config(cfg, run_dir, warmup + iters))
-    rows = read_jsonl(pathlib.Path(run_dir) / METRICS_FILE)
-  finally:
-    shutil.rmtree(run_dir, ignore_errors=True)
+  with scratch.folder("rl") as run_dir:
+    train(bench_config(cfg, str(run_dir / "run"), warmup + iters))
+    rows = read_jsonl(run_dir / "run" / METRICS_FILE)
   out = {"B": cfg.data.batch_size, "G": cfg.rollout.group_size, "N": cfg.data.batch_size * cfg.rollout.group_size,
          "max_new_tokens": cfg.rollout.max_new_tokens, "model": cfg.model.path, "dtype": cfg.model.dtype,
          "kl_on": cfg.erpo.kl_on, "reference": cfg.erpo.reference, "weights": cfg.erpo.weights,

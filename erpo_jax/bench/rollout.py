@@ -12,7 +12,6 @@ decode = full `generate` minus it, over its M - 1 decode steps.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from flax import nnx
 from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
+from erpo_jax.bench import scratch
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 
@@ -115,8 +115,8 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
   difference of two calls (n tokens minus 1 token) over n - 1 steps: tracing
   and the cache load cancel out.
   """
-  with tempfile.TemporaryDirectory(prefix="erpo-bench-xla-") as cache_dir:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+  with scratch.folder("xla") as cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return _greedy_vs_sampler(cfg, iters=iters, warmup=warmup, prompts_max=prompts_max, tokens=tokens)
