@@ -22,7 +22,7 @@ from typing import Any
 
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
-from erpo_jax.bench import scratch
+from erpo_jax.bench import workdirs
 from erpo_jax.metrics import METRICS_FILE, read_jsonl
 from erpo_jax.model.io.loading import model_config
 from erpo_jax.train.packing import forward_only_applies
@@ -97,7 +97,7 @@ def measure_rl(cfg, *, iters: int, warmup: int) -> dict[str, Any]:
   """Median per-phase step times of `iters` real training steps after `warmup`, and peak RSS."""
 
   window = bench_probe.host_window()
-  with scratch.folder("rl") as run_dir:
+  with workdirs.folder("rl") as run_dir:
     train(bench_config(cfg, str(run_dir / "run"), warmup + iters))
     rows = read_jsonl(run_dir / "run" / METRICS_FILE)
   out = {"B": cfg.data.batch_size, "G": cfg.rollout.group_size, "N": cfg.data.batch_size * cfg.rollout.group_size,

@@ -22,7 +22,7 @@ from flax import nnx
 from erpo_jax import buckets
 from erpo_jax.bench import flops as bench_flops
 from erpo_jax.bench import probe as bench_probe
-from erpo_jax.bench import scratch
+from erpo_jax.bench import workdirs
 from erpo_jax.parallel import mesh as mesh_lib
 from erpo_jax.rollout.sampler import Sampler, greedy_reference
 
@@ -115,7 +115,7 @@ def measure_greedy(cfg, *, iters: int, warmup: int, prompts_max: int = 4, tokens
   difference of two calls (n tokens minus 1 token) over n - 1 steps: tracing
   and the cache load cancel out.
   """
-  with scratch.folder("xla") as cache_dir:
+  with workdirs.folder("xla") as cache_dir:
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -47,7 +47,7 @@ from erpo_jax.bench import machine
 from erpo_jax.bench.floors import with_decode_floors, with_rl_floors, with_spec_peaks, with_utilisation
 from erpo_jax.bench import peer as bench_peer
 from erpo_jax.bench import profile as bench_profile
-from erpo_jax.bench import scratch
+from erpo_jax.bench import workdirs
 from erpo_jax.bench.ratios import summary
 from erpo_jax.config import Config
 from erpo_jax.config_io import dump_config
@@ -213,9 +213,9 @@ def run_bench(cfg: Config, *, what: str = "all", iters: int | None = None, warmu
       print(warning, file=sys.stderr, flush=True)
     return rec
 
-  scratch.announce_stale_removed()  # folders of bench runs killed before they could remove them
-  with scratch.folder("run") as scratch_dir:
-    tmp = str(scratch_dir)
+  workdirs.announce_stale_removed()  # folders of bench runs killed before they could remove them
+  with workdirs.folder("run") as run_folder:
+    tmp = str(run_folder)
     device = record("device", with_spec_peaks(run_worker("device", None, iters=1, warmup=1, tmp=tmp),
                                               peak_flops=peak_flops, peak_bandwidth=peak_bandwidth))
     for kind in kinds:

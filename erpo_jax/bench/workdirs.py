@@ -1,4 +1,4 @@
-"""The bench's scratch folders in the system temp folder, and the removal of those a killed bench left behind.
+"""The bench's working folders in the system temp folder, and the removal of those a killed bench left behind.
 
 A bench run keeps its worker specs, a training run folder (`bench rl`: a checkpoint of the whole training state at
 its last step, 1.3 GB for the embedded model) and compilation caches in `erpo-bench-*` folders and removes them
@@ -42,7 +42,7 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def make(kind: str, root: str | None = None) -> pathlib.Path:
-  """A new scratch folder `erpo-bench-<kind>-*` in `root` (default: the system temp folder) naming its owner."""
+  """A new working folder `erpo-bench-<kind>-*` in `root` (default: the system temp folder) naming its owner."""
   folder = pathlib.Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-" if kind else PREFIX, dir=root))
   pid = os.getpid()
   (folder / OWNER_FILE).write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
@@ -69,7 +69,7 @@ def _size(path: pathlib.Path) -> int:
 
 
 def remove_stale(root: str | None = None) -> tuple[int, int]:
-  """Removes this user's scratch folders in `root` whose owner process is gone; returns (folders, bytes)."""
+  """Removes this user's working folders in `root` whose owner process is gone; returns (folders, bytes)."""
   root_path = pathlib.Path(root or tempfile.gettempdir())
   removed = freed = 0
   for path in root_path.glob(f"{PREFIX}*"):
@@ -93,5 +93,5 @@ def announce_stale_removed(root: str | None = None) -> None:
   """`remove_stale`, with one line on stderr when it removed anything."""
   removed, freed = remove_stale(root)
   if removed:
-    print(f"bench: removed {removed} scratch folder{'s' if removed > 1 else ''} ({freed / 2**30:.2f} GiB) in "
+    print(f"bench: removed {removed} working folder{'s' if removed > 1 else ''} ({freed / 2**30:.2f} GiB) in "
           f"{root or tempfile.gettempdir()} left by bench runs that were killed", file=sys.stderr, flush=True)
