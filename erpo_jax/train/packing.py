@@ -78,6 +78,11 @@ def response_capacity(cfg, h, mesh, rewards_N: np.ndarray | None = None, program
   return needed if programs is None else programs.choose(prompt_bucket, needed, len_N, rewards_N, G, streams, R)
 
 
+def stream_tokens(tokens_N, streams: int) -> int:
+  """The fullest stream's tokens: the rows split in `streams` equal runs, each run's sum."""
+  return int(np.asarray(tokens_N).reshape(streams, -1).sum(axis=1).max())
+
+
 def capacity_of(len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int, streams: int,
                 max_new_tokens: int) -> int | SplitCapacity:
   """`response_capacity` of all processes' rows: the whole batch's slots (`buckets.packed_capacity`), or with
@@ -86,7 +91,7 @@ def capacity_of(len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int
   uniform rows that do not fit it (`forward_only_rows`) fit the trained stream's spare slots."""
   R = max_new_tokens
   slots = (len(len_N) // streams) * R
-  most = lambda tokens_N: int(tokens_N.reshape(streams, -1).sum(axis=1).max())
+  most = lambda tokens_N: stream_tokens(tokens_N, streams)
   whole = buckets.packed_capacity(most(len_N), slots)
   if rewards_N is None:
     return whole

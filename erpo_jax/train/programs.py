@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from erpo_jax.train.packing import SplitCapacity, forward_only_rows
+from erpo_jax.train.packing import SplitCapacity, forward_only_rows, stream_tokens
 
 # A trained slot runs forward and backward, about three forward passes; a forward-only slot runs one.
 TRAINED_COST, FORWARD_COST = 3, 1
@@ -34,20 +34,16 @@ def cost(capacity: int | SplitCapacity) -> int:
   return TRAINED_COST * capacity
 
 
-def _most(tokens_N: np.ndarray, streams: int) -> int:
-  return int(np.asarray(tokens_N).reshape(streams, -1).sum(axis=1).max())
-
-
 def fits(capacity: int | SplitCapacity, len_N: np.ndarray, rewards_N: np.ndarray | None, group_size: int,
          streams: int) -> bool:
   """Whether a program of `capacity` holds this batch: every stream's responses, and with a SplitCapacity the
   rows the step trains (those `forward_only_rows` leaves out at its forward-only capacity) in its trained one."""
   if not isinstance(capacity, SplitCapacity):
-    return _most(len_N, streams) <= capacity
-  if rewards_N is None or _most(len_N, streams) > capacity.whole:
+    return stream_tokens(len_N, streams) <= capacity
+  if rewards_N is None or stream_tokens(len_N, streams) > capacity.whole:
     return False
   fwd_only_N = forward_only_rows(rewards_N, len_N, group_size, streams, capacity.forward_only)
-  return _most(np.where(fwd_only_N, 0, len_N), streams) <= capacity.trained
+  return stream_tokens(np.where(fwd_only_N, 0, len_N), streams) <= capacity.trained
 
 
 def _to_json(capacity: int | SplitCapacity):
