@@ -43,7 +43,7 @@ def _alive(pid: int, start: str | None) -> bool:
 
 def make(kind: str, root: str | None = None) -> pathlib.Path:
   """A new working folder `erpo-bench-<kind>-*` in `root` (default: the system temp folder) naming its owner."""
-  folder = pathlib.Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-" if kind else PREFIX, dir=root))
+  folder = pathlib.Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-", dir=root))
   pid = os.getpid()
   (folder / OWNER_FILE).write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
   return folder
